@@ -1,0 +1,108 @@
+"""Input validation shared by every entry point: clear errors instead of silent broadcasting or NaN."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .biases.base import CONVENTIONS, RelativeBias
+
+
+def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Validate (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv): types, ranks, sizes, dtypes, devices."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, num_heads, seq_len, head_dim), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {t.dtype}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
+        )
+    (b, h, _, d), (bk, hk, lk, dk), (bv, hv, lv, _) = query.shape, key.shape, value.shape
+    if not (b == bk == bv):
+        raise ValueError(f"batch sizes differ: query {b}, key {bk}, value {bv}")
+    if not (h == hk == hv):
+        raise ValueError(f"num_heads differ: query {h}, key {hk}, value {hv}")
+    if d != dk:
+        raise ValueError(f"head_dim differs: query {d}, key {dk}")
+    if lk != lv:
+        raise ValueError(f"key and value must have the same length, got key_len {lk} and value_len {lv}")
+
+
+def check_broadcast(name: str, t: torch.Tensor, target: tuple[int, ...], legend: str) -> None:
+    """Raise unless ``t`` broadcasts to ``target`` (every dim 1 or equal, right-aligned, rank <= len)."""
+    if t.dim() > len(target) or any(s not in (1, n) for s, n in zip(reversed(t.shape), reversed(target))):
+        raise ValueError(
+            f"{name} of shape {tuple(t.shape)} does not broadcast to {legend} = {target}; "
+            f"each dimension must be 1 or equal to the target"
+        )
+
+
+def check_scale(scale: float | None) -> None:
+    if scale is None:
+        return
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+
+
+def resolve_convention(convention: str | None, bias: object, scale: float | None, head_dim: int) -> tuple[str, float]:
+    """Pick the score convention and the scale; see design.md §1."""
+    if convention is None:
+        convention = bias.default_convention if isinstance(bias, RelativeBias) else "seed"
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    check_scale(scale)
+    if convention == "t5":
+        if scale is not None and scale != 1.0:
+            raise ValueError(
+                f"convention 't5' uses unscaled scores (scale 1), got scale={scale}; use convention='seed' "
+                f"or 'additive' to scale"
+            )
+        return convention, 1.0
+    return convention, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+
+
+def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> None:
+    """A bias is None, a RelativeBias with H in {1, num_heads}, or a finite float tensor broadcastable to target."""
+    if bias is None:
+        return
+    if isinstance(bias, RelativeBias):
+        if bias.num_heads not in (1, target[1]):
+            raise ValueError(
+                f"the bias module has num_heads={bias.num_heads}, but query has {target[1]} heads "
+                f"(a bias must have 1 head, shared, or one per head)"
+            )
+        device = bias._device()
+        if device != query.device:
+            raise ValueError(f"the bias module is on {device} but query is on {query.device}; move one of them")
+        return
+    if not isinstance(bias, torch.Tensor):
+        raise TypeError(f"bias must be a RelativeBias module, a tensor or None, got {type(bias).__name__}")
+    if not bias.is_floating_point():
+        raise TypeError(f"a bias tensor must be floating point, got {bias.dtype}")
+    if bias.device != query.device:
+        raise ValueError(f"the bias tensor is on {bias.device} but query is on {query.device}")
+    check_broadcast("bias", bias, target, "(batch, num_heads, query_len, key_len)")
+    if not bool(torch.isfinite(bias).all()):
+        raise ValueError("the bias tensor contains NaN or inf; pass -inf masking through mask=, not bias=")
+
+
+def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int, ...]) -> None:
+    """A mask is bool (True = may attend) or float (additive, -inf = masked), broadcastable to target."""
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(f"mask must be bool (True = may attend) or float (additive, -inf = masked), got {mask.dtype}")
+    if mask.device != query.device:
+        raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+    check_broadcast("mask", mask, target, "(batch, num_heads, query_len, key_len)")
+    if mask.is_floating_point() and bool((torch.isnan(mask) | (mask == float("inf"))).any()):
+        raise ValueError("a float mask may hold finite values and -inf only; it contains NaN or +inf")

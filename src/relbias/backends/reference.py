@@ -1,0 +1,80 @@
+"""The reference backend: plain math on the materialised (B, H, Lq, Lk) scores.
+
+This is the oracle every faster backend is tested against, so it is written to be read, not to be
+fast: it materialises the bias and the attention probabilities and computes in float32 (float64 for
+float64 inputs) whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..biases.base import RelativeBias
+from ..positions import Alignment
+
+__all__ = ["reference_attention", "visible_keys"]
+
+
+def visible_keys(
+    mask: torch.Tensor | None, is_causal: bool, alignment: Alignment, device: torch.device
+) -> torch.Tensor:
+    """Which keys each query may attend to: bool tensor broadcastable to (B, H, Lq, Lk).
+
+    A key is visible when the causal rule (key position <= query position, under ``alignment``) and
+    the mask both allow it; a float mask hides exactly its -inf entries.
+    """
+    visible = torch.ones(alignment.query_len, alignment.key_len, dtype=torch.bool, device=device)
+    if is_causal:
+        visible = alignment.offsets(device) >= 0  # offset i - j >= 0: the key is not in the future
+    if mask is not None:
+        visible = visible & (mask if mask.dtype == torch.bool else mask != float("-inf"))
+    return visible
+
+
+def reference_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: RelativeBias | torch.Tensor | None,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    convention: str,
+    alignment: Alignment,
+) -> torch.Tensor:
+    """Attention with a relative bias, computed the plain way. Arguments are validated by the caller.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv), in the
+    dtype of ``query``. See :func:`relbias.attention` for the formula of each convention.
+    """
+    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    q, k, v = query.to(compute), key.to(compute), value.to(compute)
+
+    scores = q @ k.transpose(-2, -1)  # (B, H, Lq, Lk), q . k
+    if isinstance(bias, RelativeBias):
+        pe = bias.native(
+            alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start
+        ).materialize()  # (H or 1, Lq, Lk)
+    else:
+        pe = bias
+    if pe is not None:
+        pe = pe.to(compute)
+    if convention == "seed":  # ((q . k) + PE) * scale
+        scores = (scores + pe) * scale if pe is not None else scores * scale
+    elif convention == "additive":  # (q . k) * scale + PE
+        scores = scores * scale + pe if pe is not None else scores * scale
+    else:  # "t5": (q . k) + PE, unscaled
+        scores = scores + pe if pe is not None else scores
+
+    visible = visible_keys(mask, is_causal, alignment, query.device)
+    if mask is not None and mask.is_floating_point():
+        scores = scores + mask.to(compute).masked_fill(~visible, 0.0)  # finite part of the additive mask
+    # A masked key gets exactly zero weight, whatever its score: -inf before the softmax.
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # A row with no visible key would be softmax(all -inf) = NaN: give it finite dummy scores and
+    # zero its probabilities afterwards, so its output is 0 and its gradients are 0.
+    has_key = visible.any(dim=-1, keepdim=True)
+    scores = scores.masked_fill(~has_key, 0.0)
+    probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
+    return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)

@@ -1,0 +1,182 @@
+"""The contract every relative position bias keeps.
+
+A bias is a function of the offset ``i - j`` (query position minus key position, tokens) and of the
+head. Each family implements one method, :meth:`RelativeBias.offset_values`; the contract derives the
+two forms from it:
+
+* the native form, :meth:`RelativeBias.native`: one value per head and per distinct offset of a
+  (query, key) block, shape (H, Lq + Lk - 1). Backends look values up in it instead of materialising
+  (H, Lq, Lk);
+* the materialised form, :meth:`RelativeBias.forward`: shape (H, Lq, Lk).
+
+Families backed by a learnable table (per-offset, T5 buckets) also expose ``weight`` of shape
+(num_entries, H) and :meth:`TableBias.index`, the function from offset to table row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..positions import Alignment, resolve_alignment
+
+__all__ = ["CONVENTIONS", "NativeBias", "RelativeBias", "TableBias"]
+
+#: Score conventions (design.md §1): "seed" ``((q.k) + PE) * scale``; "additive" ``(q.k) * scale + PE``;
+#: "t5" ``(q.k) + PE`` (no scaling). A mask is added after all three.
+CONVENTIONS = ("seed", "additive", "t5")
+
+
+@dataclass(frozen=True)
+class NativeBias:
+    """A bias in its native per-offset form for one (query, key) block.
+
+    Attributes:
+        values: float tensor (H, num_offsets); ``values[h, n]`` is the bias of head ``h`` at offset
+            ``min_offset + n`` (logits, before any scaling the score convention applies).
+        alignment: the block's lengths and positions; ``alignment.min_offset`` is the offset of
+            column 0.
+    """
+
+    values: torch.Tensor
+    alignment: Alignment
+
+    @property
+    def min_offset(self) -> int:
+        return self.alignment.min_offset
+
+    def materialize(self) -> torch.Tensor:
+        """The (H, Lq, Lk) bias: ``values[:, offsets - min_offset]``."""
+        a = self.alignment
+        index = a.offsets(self.values.device) - a.min_offset
+        return self.values[:, index]
+
+
+class RelativeBias(nn.Module):
+    """Base class of relative position biases: ``PE(i, j) = f_h(i - j)``.
+
+    Subclasses set ``num_heads`` (H of the output; 1 means one bias shared by every head, which
+    broadcasts), ``bidirectional`` (False: defined for past keys only, offset >= 0; future keys must be
+    masked) and ``default_convention`` (one of :data:`CONVENTIONS`, used by
+    :func:`relbias.attention` when no convention is given), and implement :meth:`offset_values`.
+    """
+
+    num_heads: int
+    bidirectional: bool
+    default_convention: str = "seed"
+
+    def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Bias values at the given offsets.
+
+        Args:
+            offsets: int64 tensor of any shape S, offsets ``i - j`` in tokens.
+
+        Returns:
+            float tensor (H, *S), logits.
+
+        Raises:
+            ValueError: an offset the family cannot evaluate (e.g. beyond a per-offset table).
+        """
+        raise NotImplementedError
+
+    def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Identifier of the parameter (or function value) each offset reads: int64, same shape.
+
+        Two (query, key) pairs share a parameter exactly when their keys are equal. The default is
+        the offset itself (a general function of the offset); table families return the table row.
+        """
+        return offsets
+
+    def _device(self) -> torch.device:
+        for tensor in self.parameters():
+            return tensor.device
+        for tensor in self.buffers():
+            return tensor.device
+        return torch.device("cpu")
+
+    def native(
+        self,
+        query_len: int,
+        key_len: int,
+        *,
+        query_start: int | None = None,
+        key_start: int = 0,
+        device: torch.device | str | None = None,
+    ) -> NativeBias:
+        """Native form for a block: values (H, Lq + Lk - 1) over the block's offsets, ascending.
+
+        Args:
+            query_len, key_len: lengths in tokens.
+            query_start: position of the first query; default aligns queries to the last keys.
+            key_start: position of the first key; default 0.
+            device: device of the values; default the module's.
+
+        Returns:
+            :class:`NativeBias`.
+
+        Raises:
+            TypeError, ValueError: bad lengths or positions, or offsets the family cannot evaluate.
+        """
+        alignment = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
+        device = self._device() if device is None else device
+        return NativeBias(self.offset_values(alignment.offset_vector(device)), alignment)
+
+    def forward(
+        self, query_len: int, key_len: int, *, query_start: int | None = None, key_start: int = 0
+    ) -> torch.Tensor:
+        """Materialised bias: float tensor (H, Lq, Lk); entry (h, t, s) = f_h(query pos t - key pos s).
+
+        Arguments and errors as :meth:`native`.
+        """
+        return self.native(query_len, key_len, query_start=query_start, key_start=key_start).materialize()
+
+    def pairs_sharing(self, query: int, key: int, length: int) -> torch.Tensor:
+        """Every (query, key) pair of a ``length``-token sequence that shares the parameter of ``(query, key)``.
+
+        Positions are 0-based token indices. A causal bias (``bidirectional=False``) counts only
+        pairs with key <= query (the others are masked).
+
+        Returns:
+            int64 tensor (n, 2) of ``[query, key]`` rows, sorted by query then key.
+
+        Raises:
+            ValueError: a position outside ``[0, length)``, or a future key for a causal bias.
+
+        Example:
+            For a per-offset bias, (8, 3) has offset 5 and shares its scalar with (5, 0), (6, 1), ...
+        """
+        for name, value in (("query", query), ("key", key)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < length:
+                raise ValueError(f"{name} must be a position in [0, {length}), got {value!r}")
+        if not self.bidirectional and key > query:
+            raise ValueError(f"key {key} is after query {query}: a causal bias has no parameter for future keys")
+        offsets = resolve_alignment(length, length, query_start=0).offsets(self._device())
+        keys = self.parameter_key(offsets)
+        same = keys == keys[query, key]
+        if not self.bidirectional:
+            same &= offsets >= 0
+        return same.nonzero()
+
+
+class TableBias(RelativeBias):
+    """A bias read from a learnable table ``weight`` of shape (num_entries, H) through :meth:`index`."""
+
+    weight: nn.Parameter
+
+    def index(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Table row of each offset: int64 tensor, same shape as ``offsets``."""
+        raise NotImplementedError
+
+    def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
+        return self.index(offsets)
+
+    def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
+        # weight[index]: (*S, H) -> (H, *S)
+        return self.weight[self.index(offsets)].movedim(-1, 0)
+
+    @property
+    def num_parameters(self) -> int:
+        """Number of learnable scalars, ``num_entries * H``."""
+        return self.weight.numel()

@@ -1,0 +1,88 @@
+"""T5's bucketed relative position bias (Raffel et al. 2020, JMLR 21(140), §2.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
+from .base import TableBias
+
+__all__ = ["T5Bias"]
+
+
+class T5Bias(TableBias):
+    """T5 relative position bias: one learnable scalar per bucket and head, ``PE(i, j) = u_{b(i-j), h}``.
+
+    The bucket function ``b`` is :func:`relbias.t5_bucket`. Used by default with T5's unscaled scores,
+    ``(q.k) + u_{b(i-j)} + Mask`` (score convention "t5", design.md §1). Like Hugging Face's
+    ``relative_attention_bias``, one module is computed once per stack and shared by every layer.
+
+    Args:
+        num_heads: number of heads H, >= 1.
+        num_buckets: number of buckets (T5: 32).
+        max_distance: distance in tokens where the log region ends (T5: 128).
+        bidirectional: True (default) for encoders, False for causal decoder self-attention.
+        init_std: standard deviation of the normal initialisation; default ``512 ** -0.5`` (0.0442), what
+            Hugging Face uses for t5-small (``factor * d_model ** -0.5``).
+
+    Attributes:
+        weight: float32 parameter (num_buckets, num_heads), the layout of Hugging Face's
+            ``relative_attention_bias.weight``, so its state loads directly.
+
+    Raises:
+        TypeError, ValueError: invalid bucket settings (see :func:`relbias.validate_t5_buckets`),
+            ``num_heads`` < 1 or negative ``init_std``.
+    """
+
+    default_convention = "t5"
+
+    def __init__(
+        self,
+        num_heads: int,
+        *,
+        num_buckets: int = 32,
+        max_distance: int = 128,
+        bidirectional: bool = True,
+        init_std: float = 512**-0.5,
+    ) -> None:
+        super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+            raise TypeError(f"num_heads must be an int, got {num_heads!r}")
+        if num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        if init_std < 0:
+            raise ValueError(f"init_std must be >= 0, got {init_std}")
+        validate_t5_buckets(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+        self.num_heads = num_heads
+        self.num_buckets = num_buckets
+        self.max_distance = max_distance
+        self.bidirectional = bidirectional
+        self.weight = nn.Parameter(torch.randn(num_buckets, num_heads) * init_std)
+
+    def index(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Bucket of each offset, :func:`relbias.t5_bucket` with this module's settings."""
+        return t5_bucket(
+            offsets, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
+        )
+
+    def bucket_ranges(self) -> list[tuple[int, int | None, int | None]]:
+        """Offsets per bucket, as :func:`relbias.t5_bucket_ranges`."""
+        return t5_bucket_ranges(
+            bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
+        )
+
+    @property
+    def saturation_distance(self) -> int:
+        """Smallest distance (tokens) from which every larger one shares the last bucket of its direction.
+
+        Beyond it the bias is one constant per direction (91 bidirectional / 113 causal for 32/128).
+        """
+        _, lo, _ = self.bucket_ranges()[self.num_buckets // 2 - 1 if self.bidirectional else -1]
+        return lo
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
+            f"bidirectional={self.bidirectional}"
+        )

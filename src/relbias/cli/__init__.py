@@ -1,0 +1,1 @@
+"""The ``relbias`` command line. Only the CLI prints."""

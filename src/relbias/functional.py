@@ -1,0 +1,117 @@
+"""``relbias.attention``: scaled dot-product attention with a relative position bias."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _checks
+from .backends import BACKENDS
+from .biases.base import RelativeBias
+from .positions import resolve_alignment
+
+__all__ = ["attention"]
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: RelativeBias | torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    convention: str | None = None,
+    query_start: int | None = None,
+    key_start: int = 0,
+    backend: str = "reference",
+) -> torch.Tensor:
+    """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
+
+    ``alpha(i, j) = softmax_j(score(i, j))`` with, by score convention (design.md §1):
+
+    * ``"seed"``: ``score = ((q_i . k_j) + PE(i, j)) * scale + Mask(i, j)`` (the bias is scaled too);
+    * ``"additive"``: ``score = (q_i . k_j) * scale + PE(i, j) + Mask(i, j)`` (PyTorch SDPA, ALiBi);
+    * ``"t5"``: ``score = (q_i . k_j) + PE(i, j) + Mask(i, j)``, no scaling (Raffel et al. 2020, §2.1).
+
+    Shape legend: B batch, H num_heads, Lq query_len, Lk key_len, D head_dim, Dv value head_dim.
+
+    Positions: the first key sits at ``key_start`` (default 0) and the first query at ``query_start``
+    (default ``key_start + Lk - Lq``: queries aligned to the last keys, as with a KV cache). The bias
+    reads offsets ``i - j`` of these absolute positions, and the causal mask hides keys with ``j > i``::
+
+        Lq = 2, Lk = 5, default alignment (queries at 3, 4), is_causal=True:
+            keys  0 1 2 3 4
+            q@3   x x x x .
+            q@4   x x x x x
+
+    Args:
+        query: (B, H, Lq, D), float16/bfloat16/float32/float64.
+        key: (B, H, Lk, D), same dtype and device as ``query``.
+        value: (B, H, Lk, Dv), same dtype and device.
+        bias: ``None``; a :class:`relbias.RelativeBias` module (T5Bias, PerOffsetBias, FunctionBias ...),
+            evaluated at the block's offsets; or a float tensor broadcastable to (B, H, Lq, Lk), logits.
+        mask: ``None``; bool broadcastable to (B, H, Lq, Lk), True = may attend; or float, additive,
+            with -inf for masked keys. A masked key gets exactly zero weight whatever its score.
+        is_causal: hide future keys (offset < 0) under the alignment above.
+        scale: multiplier of the scores; default ``1 / sqrt(D)`` for "seed" and "additive"; an explicit
+            value (e.g. 1.0) is honoured. Must be 1 or None for "t5".
+        convention: "seed", "additive" or "t5"; default the bias module's own (T5Bias: "t5",
+            PerOffsetBias / FunctionBias: "seed"), and "seed" for a tensor bias or no bias.
+        query_start: absolute position (tokens) of the first query.
+        key_start: absolute position (tokens) of the first key.
+        backend: "reference" (default): materialises the bias; the oracle for faster backends.
+
+    Returns:
+        (B, H, Lq, Dv) in the dtype of ``query``. Softmax and its accumulations run in float32 (float64
+        for float64 inputs). A query with no visible key returns zeros, with finite (zero) gradients.
+
+    Raises:
+        TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,
+            a non-float bias tensor, non-int positions.
+        ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
+            mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
+            nor H; a non-finite bias tensor; a float mask with NaN or +inf; a non-positive scale, or a
+            scale other than 1 with "t5"; an unknown convention or backend; arguments on different
+            devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;
+            offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off).
+
+    Example:
+        >>> import torch, relbias
+        >>> q = k = v = torch.randn(1, 8, 16, 64)
+        >>> out = relbias.attention(q, k, v, bias=relbias.T5Bias(num_heads=8))  # T5's unscaled scores
+        >>> out.shape
+        torch.Size([1, 8, 16, 64])
+    """
+    _checks.check_qkv(query, key, value)
+    batch, heads, query_len, head_dim = query.shape
+    key_len = key.shape[2]
+    target = (batch, heads, query_len, key_len)
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    alignment = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
+    _checks.check_bias(bias, query, target)
+    _checks.check_mask(mask, query, target)
+    convention, scale = _checks.resolve_convention(convention, bias, scale, head_dim)
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {sorted(BACKENDS)}")
+    if isinstance(bias, RelativeBias) and not bias.bidirectional:
+        _check_no_visible_future(mask, is_causal, alignment, query.device)
+    return BACKENDS[backend](
+        query, key, value,
+        bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention, alignment=alignment,
+    )
+
+
+def _check_no_visible_future(mask, is_causal, alignment, device) -> None:
+    """A causal-only bias has no value for future keys: some mask must hide every one of them."""
+    if is_causal or alignment.min_offset >= 0:
+        return
+    future = alignment.offsets(device) < 0
+    if mask is not None:
+        future = future & (mask if mask.dtype == torch.bool else mask != float("-inf"))
+    if bool(future.any()):
+        raise ValueError(
+            "the bias is causal (bidirectional=False) and has no value for future keys (offset i - j < 0), "
+            "but some future key is visible; pass is_causal=True or a mask that hides future keys"
+        )
