@@ -53,9 +53,9 @@ def reference_attention(
 
     scores = q @ k.transpose(-2, -1)  # (B, H, Lq, Lk), q . k
     if isinstance(bias, RelativeBias):
-        pe = bias.native(
+        pe = bias(
             alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start
-        ).materialize()  # (H or 1, Lq, Lk)
+        )  # (H or 1, Lq, Lk)
     else:
         pe = bias
     if pe is not None:

@@ -66,6 +66,10 @@ class RelativeBias(nn.Module):
     num_heads: int
     bidirectional: bool
     default_convention: str = "seed"
+    #: True when the bias depends on the offset i - j alone. A family that also reads the absolute
+    #: query position (FIRE normalises by it) sets False, overrides :meth:`pair_values`, and has no
+    #: per-offset native form.
+    offset_only: bool = True
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
         """Bias values at the given offsets.
@@ -80,6 +84,20 @@ class RelativeBias(nn.Module):
             ValueError: an offset the family cannot evaluate (e.g. beyond a per-offset table).
         """
         raise NotImplementedError
+
+    def pair_values(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+        """Bias of every (query, key) pair of a tile, from absolute positions.
+
+        Args:
+            query_positions: int64 (Tq,), absolute query positions in tokens.
+            key_positions: int64 (Tk,), absolute key positions in tokens.
+
+        Returns:
+            float tensor (H, Tq, Tk), logits. The default evaluates :meth:`offset_values` at
+            ``query_positions[:, None] - key_positions[None, :]``; families with ``offset_only = False``
+            override it. Backends call this for tiles of biases that are not offset-only.
+        """
+        return self.offset_values(query_positions[:, None] - key_positions[None, :])
 
     def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
         """Identifier of the parameter (or function value) each offset reads: int64, same shape.
@@ -118,7 +136,13 @@ class RelativeBias(nn.Module):
 
         Raises:
             TypeError, ValueError: bad lengths or positions, or offsets the family cannot evaluate.
+            NotImplementedError: the family is not offset-only (``offset_only = False``).
         """
+        if not self.offset_only:
+            raise NotImplementedError(
+                f"{type(self).__name__} depends on absolute positions, not on i - j alone, so it has no "
+                f"per-offset native form; use pair_values() or forward()"
+            )
         alignment = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
         device = self._device() if device is None else device
         return NativeBias(self.offset_values(alignment.offset_vector(device)), alignment)
@@ -130,7 +154,14 @@ class RelativeBias(nn.Module):
 
         Arguments and errors as :meth:`native`.
         """
-        return self.native(query_len, key_len, query_start=query_start, key_start=key_start).materialize()
+        if self.offset_only:
+            return self.native(query_len, key_len, query_start=query_start, key_start=key_start).materialize()
+        a = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
+        device = self._device()
+        return self.pair_values(
+            torch.arange(a.query_start, a.query_start + a.query_len, device=device),
+            torch.arange(a.key_start, a.key_start + a.key_len, device=device),
+        )
 
     def pairs_sharing(self, query: int, key: int, length: int) -> torch.Tensor:
         """Every (query, key) pair of a ``length``-token sequence that shares the parameter of ``(query, key)``.
