@@ -1,0 +1,64 @@
+"""Every error documented in relbias.attention's docstring, with the words the user sees."""
+
+import pytest
+import torch
+
+import relbias
+from relbias import PerOffsetBias, T5Bias
+
+q = torch.randn(2, 3, 5, 4)
+k = torch.randn(2, 3, 7, 4)
+v = torch.randn(2, 3, 7, 6)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, words",
+    [
+        ((q.numpy(), k, v), {}, TypeError, "query must be a torch.Tensor"),
+        ((q[0], k, v), {}, ValueError, r"query must have shape \(batch, num_heads, seq_len, head_dim\)"),
+        ((q.long(), k.long(), v.long()), {}, TypeError, "floating-point"),
+        ((q.to(torch.complex64), k, v), {}, TypeError, "floating-point"),
+        ((q, k.double(), v), {}, TypeError, "share one dtype"),
+        ((q[:1], k, v), {}, ValueError, "batch sizes differ: query 1, key 2"),
+        ((q[:, :2], k, v), {}, ValueError, "num_heads differ: query 2, key 3"),
+        ((q[..., :3], k, v), {}, ValueError, "head_dim differs: query 3, key 4"),
+        ((q, k, v[:, :, :6]), {}, ValueError, "key_len 7 and value_len 6"),
+        ((q, k, v), dict(bias=torch.zeros(3, 5, 6)), ValueError, r"bias of shape \(3, 5, 6\) does not broadcast"),
+        ((q, k, v), dict(bias=torch.zeros(4, 5, 7)), ValueError, "does not broadcast"),
+        ((q, k, v), dict(bias=torch.zeros(1, 1, 2, 3, 5, 7)), ValueError, "does not broadcast"),
+        ((q, k, v), dict(bias=torch.zeros(5, 7, dtype=torch.long)), TypeError, "must be floating point"),
+        ((q, k, v), dict(bias=torch.full((5, 7), float("nan"))), ValueError, "NaN or inf"),
+        ((q, k, v), dict(bias=[[0.0]]), TypeError, "bias must be a RelativeBias module, a tensor or None"),
+        ((q, k, v), dict(bias=T5Bias(2)), ValueError, "num_heads=2, but query has 3 heads"),
+        ((q, k, v), dict(mask=torch.ones(5, 7, dtype=torch.int32)), TypeError, "mask must be bool"),
+        ((q, k, v), dict(mask=torch.ones(2, 7, dtype=torch.bool)), ValueError, r"mask of shape \(2, 7\) does not broadcast"),
+        ((q, k, v), dict(mask=torch.full((5, 7), float("nan"))), ValueError, "NaN or \\+inf"),
+        ((q, k, v), dict(mask=torch.full((5, 7), float("inf"))), ValueError, "NaN or \\+inf"),
+        ((q, k, v), dict(scale=0.0), ValueError, "scale must be a positive finite number, got 0.0"),
+        ((q, k, v), dict(scale=float("nan")), ValueError, "positive finite"),
+        ((q, k, v), dict(bias=T5Bias(3), scale=0.5), ValueError, "convention 't5' uses unscaled scores"),
+        ((q, k, v), dict(convention="sdpa"), ValueError, "convention must be one of"),
+        ((q, k, v), dict(backend="magic"), ValueError, "unknown backend 'magic'"),
+        ((q, k, v), dict(is_causal=1), TypeError, "is_causal must be a bool"),
+        ((q, k, v), dict(query_start=1.0), TypeError, "query_start must be an int"),
+        ((q, k, v), dict(bias=PerOffsetBias(4, num_heads=3)), ValueError, "offset .* has no parameter"),
+        ((q, k, v), dict(bias=PerOffsetBias(9, bidirectional=False)), ValueError, "future keys"),
+    ],
+)
+def test_documented_errors(args, kwargs, error, words):
+    with pytest.raises(error, match=words):
+        relbias.attention(*args, **kwargs)
+
+
+def test_meta_device_bias_is_a_device_mismatch():
+    bias = T5Bias(3).to("meta")
+    with pytest.raises(ValueError, match="bias module is on meta but query is on cpu"):
+        relbias.attention(q, k, v, bias=bias)
+    with pytest.raises(ValueError, match="one device"):
+        relbias.attention(q, k.to("meta"), v)
+
+
+def test_clipped_per_offset_bias_evaluates_beyond_the_table():
+    bias = PerOffsetBias(4, num_heads=3, out_of_range="clip")
+    out = relbias.attention(q, k, v, bias=bias)
+    assert torch.isfinite(out).all()
