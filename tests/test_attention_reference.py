@@ -249,3 +249,17 @@ def test_float64_gradcheck_for_query_key_value_and_every_bias_parameter(name, bi
         return torch.func.functional_call(module, dict(zip(names, ps)), (q, k, v))
 
     assert torch.autograd.gradcheck(fn, (q, k, v, *params))
+
+
+def test_nan_in_padded_keys_and_values_does_not_leak():
+    q, k, v = (t.requires_grad_() for t in qkv(lq=3, lk=5))
+    k2, v2 = k.detach().clone(), v.detach().clone()
+    k2[:, :, 4], v2[:, :, 4] = float("nan"), float("inf")
+    keep = torch.ones(1, 1, 1, 5, dtype=torch.bool)
+    keep[..., 4] = False
+    bias = T5Bias(3, init_std=1.0)
+    out = relbias.attention(q, k2, v2, mask=keep, bias=bias)
+    clean = relbias.attention(q, k[:, :, :4], v[:, :, :4], bias=bias, query_start=2)
+    torch.testing.assert_close(out, clean, rtol=1e-6, atol=1e-6)
+    out.sum().backward()
+    assert torch.isfinite(q.grad).all()

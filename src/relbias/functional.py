@@ -65,6 +65,9 @@ def attention(
     Returns:
         (B, H, Lq, Dv) in the dtype of ``query``. Softmax and its accumulations run in float32 (float64
         for float64 inputs). A query with no visible key returns zeros, with finite (zero) gradients.
+        Keys that no query can see (padding) contribute nothing even if their key or value holds
+        NaN/inf; NaN/inf in visible inputs propagate to the outputs that read them (not checked, to
+        avoid a device synchronisation).
 
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,

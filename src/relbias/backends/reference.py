@@ -77,4 +77,7 @@ def reference_attention(
     has_key = visible.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~has_key, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
+    # Keys hidden from every query (padding) must not leak NaN/inf values through 0 * NaN.
+    unused = ~visible.any(dim=-2).unsqueeze(-1)  # (B or 1, H or 1, Lk, 1)
+    v = torch.where(unused, torch.zeros((), dtype=compute, device=v.device), v)
     return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)
