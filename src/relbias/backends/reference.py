@@ -50,6 +50,11 @@ def reference_attention(
     """
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
+    visible = visible_keys(mask, is_causal, alignment, query.device)  # broadcasts to (B, H, Lq, Lk)
+    # Keys hidden from every query (padding) must not leak NaN/inf through 0 * NaN, forward or backward.
+    unused = ~visible.any(dim=-2).unsqueeze(-1)  # (B or 1, H or 1, Lk, 1)
+    zero = torch.zeros((), dtype=compute, device=q.device)
+    k, v = torch.where(unused, zero, k), torch.where(unused, zero, v)
 
     scores = q @ k.transpose(-2, -1)  # (B, H, Lq, Lk), q . k
     if isinstance(bias, RelativeBias):
@@ -67,7 +72,6 @@ def reference_attention(
     else:  # "t5": (q . k) + PE, unscaled
         scores = scores + pe if pe is not None else scores
 
-    visible = visible_keys(mask, is_causal, alignment, query.device)
     if mask is not None and mask.is_floating_point():
         scores = scores + mask.to(compute).masked_fill(~visible, 0.0)  # finite part of the additive mask
     # A masked key gets exactly zero weight, whatever its score: -inf before the softmax.
@@ -77,7 +81,4 @@ def reference_attention(
     has_key = visible.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~has_key, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
-    # Keys hidden from every query (padding) must not leak NaN/inf values through 0 * NaN.
-    unused = ~visible.any(dim=-2).unsqueeze(-1)  # (B or 1, H or 1, Lk, 1)
-    v = torch.where(unused, torch.zeros((), dtype=compute, device=v.device), v)
     return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)
