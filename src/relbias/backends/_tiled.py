@@ -1,0 +1,176 @@
+"""The tiled attention kernel in plain PyTorch: online softmax over key blocks, recompute in backward.
+
+Used by the blockwise backend (every key) and by the structured backend (only the band of offsets
+near the diagonal). Memory: one (B, H, block_q, block_k) score tile at a time plus O(B·H·L·D)
+accumulators; nothing of size (Lq, Lk) is built.
+
+Formulas (one query row i, visible keys j, scores ``s_ij`` already including bias and scale):
+forward ``lse_i = log sum_j exp(s_ij)``, ``o_i = sum_j exp(s_ij - lse_i) v_j``; backward, given the
+row's *global* log-sum-exp ``L_i`` (over every part of a decomposition) and ``D_i = dO_i . O_i``:
+``p_ij = exp(s_ij - L_i)``, ``dS_ij = p_ij (dO_i . v_j - D_i)``, ``dq_i = scale sum_j dS_ij k_j``,
+``dk_j = scale sum_i dS_ij q_i``, ``dv_j = sum_i p_ij dO_i`` (Dao et al. 2022, FlashAttention, Alg. 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._tiles import mask_tile
+
+__all__ = ["TileProblem", "tiled_backward", "tiled_forward"]
+
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class TileProblem:
+    """One attention problem for the tiled kernel.
+
+    Attributes:
+        query, key, value: (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv); any float dtype (tiles are cast
+            to ``compute``).
+        scale: multiplier of q . k.
+        source: bias tiles (:class:`NativeSource` / :class:`PairSource`) or None.
+        mask: 4-D bool or float mask broadcastable to (B, H, Lq, Lk), or None.
+        is_causal: hide offsets < 0.
+        delta: query_start - key_start (tokens); the offset of tile entry (t, s) is ``delta + t - s``.
+        min_offset, max_offset: only offsets in this inclusive range are attended (the structured
+            backend's band); None = unbounded.
+        block_q, block_k: tile sizes.
+        compute: float32, or float64 for float64 inputs.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    scale: float
+    source: object | None
+    mask: torch.Tensor | None
+    is_causal: bool
+    delta: int
+    min_offset: int | None = None
+    max_offset: int | None = None
+    block_q: int = 256
+    block_k: int = 1024
+    compute: torch.dtype = torch.float32
+
+    def offset_limits(self) -> tuple[float, float]:
+        lo = float("-inf") if self.min_offset is None else self.min_offset
+        if self.is_causal:
+            lo = max(lo, 0)
+        hi = float("inf") if self.max_offset is None else self.max_offset
+        return lo, hi
+
+    def query_blocks(self):
+        """Yield (t0, t1, s_lo, s_hi): each query block and the key range that can be visible to it."""
+        lq, lk = self.query.shape[2], self.key.shape[2]
+        lo, hi = self.offset_limits()
+        for t0 in range(0, lq, self.block_q):
+            t1 = min(lq, t0 + self.block_q)
+            # offset delta + t - s in [lo, hi]  <=>  s in [t + delta - hi, t + delta - lo]
+            s_lo = 0 if hi == float("inf") else max(0, int(t0 + self.delta - hi))
+            s_hi = lk if lo == float("-inf") else min(lk, int(t1 - 1 + self.delta - lo) + 1)
+            if s_hi > s_lo:
+                yield t0, t1, s_lo, s_hi
+
+    def key_blocks(self, s_lo: int, s_hi: int):
+        for s0 in range(s_lo, s_hi, self.block_k):
+            yield s0, min(s_hi, s0 + self.block_k)
+
+    def scores(self, q: torch.Tensor, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
+        """Scores of a tile, (B, H, Tq, Tk) in ``compute``, with -inf at hidden entries."""
+        k = self.key[:, :, s0:s1].to(self.compute)
+        s = torch.matmul(q, k.transpose(-2, -1)).mul_(self.scale)
+        if self.source is not None:
+            s.add_(self.source.tile(t0, t1, s0, s1))
+        hidden = None
+        lo, hi = self.offset_limits()
+        tile_lo, tile_hi = self.delta + t0 - (s1 - 1), self.delta + (t1 - 1) - s0
+        if tile_lo < lo or tile_hi > hi:
+            off = torch.arange(t0, t1, device=s.device)[:, None] - torch.arange(s0, s1, device=s.device)[None, :]
+            off = off + self.delta
+            hidden = (off < lo) | (off > hi)
+        if self.mask is not None:
+            m = mask_tile(self.mask, t0, t1, s0, s1)
+            if m.dtype == torch.bool:
+                hidden = ~m if hidden is None else hidden | ~m
+            else:
+                neg = m == _NEG_INF
+                s = s + m.to(self.compute).masked_fill(neg, 0.0)
+                hidden = neg if hidden is None else hidden | neg
+        if hidden is not None:
+            s = s.masked_fill(hidden, _NEG_INF)
+        return s
+
+
+def tiled_forward(problem: TileProblem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward pass.
+
+    Returns:
+        out: (B, H, Lq, Dv) in ``problem.compute``, normalised over the attended keys; 0 for rows
+            with none.
+        lse: (B, H, Lq) in ``problem.compute``, log-sum-exp of the attended scores; -inf for rows with
+            none.
+    """
+    q_all, v_all = problem.query, problem.value
+    b, h, lq, _ = q_all.shape
+    dv = v_all.shape[-1]
+    out = torch.zeros(b, h, lq, dv, dtype=problem.compute, device=q_all.device)
+    lse = torch.full((b, h, lq), _NEG_INF, dtype=problem.compute, device=q_all.device)
+    for t0, t1, s_lo, s_hi in problem.query_blocks():
+        q = q_all[:, :, t0:t1].to(problem.compute)
+        m = torch.full((b, h, t1 - t0), _NEG_INF, dtype=problem.compute, device=q.device)
+        denom = torch.zeros_like(m)
+        acc = torch.zeros(b, h, t1 - t0, dv, dtype=problem.compute, device=q.device)
+        for s0, s1 in problem.key_blocks(s_lo, s_hi):
+            s = problem.scores(q, t0, t1, s0, s1)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows with nothing visible yet
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            denom = denom * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.matmul(p, v_all[:, :, s0:s1].to(problem.compute))
+            m = m_new
+        has = denom > 0
+        out[:, :, t0:t1] = acc / torch.where(has, denom, torch.ones_like(denom))[..., None]
+        m_safe = m.masked_fill(~has, 0.0)
+        lse[:, :, t0:t1] = torch.where(has, m_safe + torch.log(torch.where(has, denom, torch.ones_like(denom))), m)
+    return out, lse
+
+
+def tiled_backward(
+    problem: TileProblem, grad_out: torch.Tensor, lse: torch.Tensor, row_dot: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of this problem's share of the attention, given the global row statistics.
+
+    Args:
+        grad_out: (B, H, Lq, Dv) in ``compute``, dL/dO of the (possibly merged) output.
+        lse: (B, H, Lq), the global log-sum-exp of each row (-inf: no visible key anywhere).
+        row_dot: (B, H, Lq), ``D_i = dO_i . O_i`` with O the merged output.
+
+    Returns:
+        dq (B, H, Lq, D), dk (B, H, Lk, D), dv (B, H, Lk, Dv) in ``compute``; bias gradients are
+        accumulated into ``problem.source``. Deterministic: fixed loop order, no atomics.
+    """
+    q_all, k_all, v_all = problem.query, problem.key, problem.value
+    c = problem.compute
+    dq = torch.zeros(q_all.shape, dtype=c, device=q_all.device)
+    dk = torch.zeros(k_all.shape, dtype=c, device=q_all.device)
+    dv = torch.zeros(v_all.shape, dtype=c, device=q_all.device)
+    lse_safe = lse.masked_fill(lse == _NEG_INF, float("inf"))  # rows with no key: p = exp(-inf) = 0
+    for t0, t1, s_lo, s_hi in problem.query_blocks():
+        q = q_all[:, :, t0:t1].to(c)
+        do = grad_out[:, :, t0:t1]
+        row_lse, row_d = lse_safe[:, :, t0:t1, None], row_dot[:, :, t0:t1, None]
+        for s0, s1 in problem.key_blocks(s_lo, s_hi):
+            k, v = k_all[:, :, s0:s1].to(c), v_all[:, :, s0:s1].to(c)
+            p = torch.exp(problem.scores(q, t0, t1, s0, s1) - row_lse)  # (B, H, Tq, Tk)
+            dv[:, :, s0:s1] += torch.matmul(p.transpose(-2, -1), do)
+            ds = p * (torch.matmul(do, v.transpose(-2, -1)) - row_d)
+            if problem.source is not None:
+                problem.source.add_grad(ds, t0, s0)
+            dq[:, :, t0:t1] += torch.matmul(ds, k).mul_(problem.scale)
+            dk[:, :, s0:s1] += torch.matmul(ds.transpose(-2, -1), q).mul_(problem.scale)
+    return dq, dk, dv

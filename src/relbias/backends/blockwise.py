@@ -1,0 +1,127 @@
+"""The blockwise backend: tiled attention in plain PyTorch that never materialises the (H, Lq, Lk) bias.
+
+Query blocks x key blocks with an online softmax in float32 (Milakov & Gimelshein 2018; Dao et al.
+2022, FlashAttention, Alg. 1-2). Each tile reads its bias from the native per-offset vector
+(``values[:, offsets - min_offset]``), or, for a family that reads absolute positions
+(``offset_only = False``), from ``pair_values`` of the tile. Fully masked tiles of a causal problem are
+skipped. The backward pass recomputes each tile from the saved output and log-sum-exp, so what is kept
+for backward is O(B·H·L·D). The gradient of the native vector is summed along tile diagonals in a
+fixed order: bit-identical across runs.
+
+Works on any device and float dtype. Limitations: a bias given as a tensor is not supported (it is
+already materialised; use the reference), and a float mask receives no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..biases.base import RelativeBias
+from ..positions import Alignment
+from ._tiled import TileProblem, tiled_backward, tiled_forward
+from ._tiles import NativeSource, PairSource
+
+__all__ = ["blockwise_attention", "make_source"]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype: float64 for float64 inputs, else float32 (docs/conventions.md, Numerics)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def make_source(bias, alignment: Alignment, convention: str, scale: float, compute: torch.dtype, device):
+    """Bias tiles for ``bias`` and the tensors through which its gradient flows.
+
+    Returns:
+        (source, inputs, kind): ``source`` a NativeSource / PairSource or None; ``inputs`` the tensors
+        to pass through the autograd Function (the native values (Hb, Lq + Lk - 1), or the module's
+        trainable parameters); ``kind`` "native", "pair" or "none".
+
+    Raises:
+        TypeError: ``bias`` is a tensor (already materialised: use backend="reference").
+    """
+    if bias is None:
+        return None, [], "none"
+    if not isinstance(bias, RelativeBias):
+        raise TypeError(
+            "the blockwise backend reads a bias module's native form; a bias given as a tensor is already "
+            "materialised (O(N^2)): use backend='reference' for it"
+        )
+    bias_scale = scale if convention == "seed" else 1.0
+    delta = alignment.query_start - alignment.key_start
+    if bias.offset_only:
+        values = bias.native(
+            alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start,
+            device=device,
+        ).values
+        return NativeSource(values, alignment.min_offset, delta, bias_scale, compute), [values], "native"
+    params = [p for p in bias.parameters() if p.requires_grad]
+    source = PairSource(bias, params, alignment.query_start, alignment.key_start, bias_scale, compute)
+    return source, params, "pair"
+
+
+class _BlockwiseFunction(torch.autograd.Function):
+    """Inputs: query, key, value, the problem's settings, then the bias tensors (native values or parameters)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, problem: TileProblem, kind: str, *bias_inputs):
+        out, lse = tiled_forward(problem)
+        ctx.problem, ctx.kind = problem, kind
+        ctx.save_for_backward(query, key, value, out, lse)
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        problem: TileProblem = ctx.problem
+        problem.query, problem.key, problem.value = query, key, value
+        source = problem.source
+        if source is not None:  # fresh accumulators: a second backward (retain_graph) starts from zero
+            if ctx.kind == "native":
+                source.grad.zero_()
+            else:
+                source.grads = [torch.zeros_like(g) for g in source.grads]
+        do = grad_out.to(problem.compute)
+        row_dot = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
+        dq, dk, dv = tiled_backward(problem, do, lse, row_dot)
+        if ctx.kind == "native":
+            bias_grads = [source.native_grad()]
+        elif ctx.kind == "pair":
+            bias_grads = list(source.grads)
+        else:
+            bias_grads = []
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, *bias_grads)
+
+
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: RelativeBias | None,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    convention: str,
+    alignment: Alignment,
+    block_q: int = 256,
+    block_k: int = 1024,
+) -> torch.Tensor:
+    """Memory-efficient attention with a relative bias, tile by tile. Arguments are validated by the caller.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
+    ``query``; formula and conventions as :func:`relbias.attention`. ``block_q`` / ``block_k``: tile sizes
+    (tokens). Peak extra memory: one (B, H, block_q, block_k) float32 tile and O(B·H·L·D) accumulators.
+
+    Raises:
+        TypeError: ``bias`` is a tensor (use the reference backend).
+    """
+    compute = compute_dtype(query.dtype)
+    source, inputs, kind = make_source(bias, alignment, convention, scale, compute, query.device)
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    problem = TileProblem(
+        query, key, value, scale, source, mask, is_causal, alignment.query_start - alignment.key_start,
+        block_q=block_q, block_k=block_k, compute=compute,
+    )
+    return _BlockwiseFunction.apply(query, key, value, problem, kind, *inputs)
