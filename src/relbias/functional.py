@@ -66,8 +66,8 @@ def attention(
         (B, H, Lq, Dv) in the dtype of ``query``. Softmax and its accumulations run in float32 (float64
         for float64 inputs). A query with no visible key returns zeros, with finite (zero) gradients.
         Keys that no query can see (padding) contribute nothing even if their key or value holds
-        NaN/inf; NaN/inf in visible inputs propagate to the outputs that read them (not checked, to
-        avoid a device synchronisation).
+        NaN/inf; NaN/inf in a query, or in a key or value that a query can see, propagate to that
+        query's output only (gradients are then undefined).
 
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,

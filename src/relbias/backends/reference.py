@@ -81,4 +81,9 @@ def reference_attention(
     has_key = visible.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~has_key, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
-    return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)
+    if bool(torch.isfinite(v).all()):
+        return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)
+    # NaN/inf values must reach only the queries that see them, not others through 0 * NaN: sum the
+    # visible products explicitly ((B, H, Lq, Lk, Dv) memory; only taken when values are non-finite).
+    products = torch.where(visible.unsqueeze(-1), probs.unsqueeze(-1) * v.unsqueeze(-3), zero)
+    return products.sum(dim=-2).to(query.dtype)
