@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .alibi import ALiBiBias
 from .base import RelativeBias
+from .fire import FIREBias
+from .kerple import KerpleLogBias, KerplePowerBias
 from .offset import PerOffsetBias
 from .t5 import T5Bias
 
@@ -45,6 +48,8 @@ def make_bias(
     return FAMILIES[name](num_heads=num_heads, max_len=max_len, bidirectional=bidirectional, **options)
 
 
+# NoPE ("no position encoding"): the explicit choice of no position bias at all; make_bias returns None
+# and attention runs on the plain scores (Kazemnejad et al. 2023 study causal language models without it).
 register_family("none", lambda *, num_heads, max_len, bidirectional: None)
 register_family(
     "offset",
@@ -55,4 +60,22 @@ register_family(
 register_family(
     "t5",
     lambda *, num_heads, max_len, bidirectional, **o: T5Bias(num_heads, bidirectional=bidirectional, **o),
+)
+# ALiBi, KERPLE and FIRE do not size anything by max_len (they extrapolate by construction); options
+# go to their constructors (e.g. init_r1=, init_r2= for KERPLE; hidden_width=, init_threshold= for FIRE).
+register_family(
+    "alibi",
+    lambda *, num_heads, max_len, bidirectional: ALiBiBias(num_heads, bidirectional=bidirectional),
+)
+register_family(
+    "kerple_log",
+    lambda *, num_heads, max_len, bidirectional, **o: KerpleLogBias(num_heads, bidirectional=bidirectional, **o),
+)
+register_family(
+    "kerple_power",
+    lambda *, num_heads, max_len, bidirectional, **o: KerplePowerBias(num_heads, bidirectional=bidirectional, **o),
+)
+register_family(
+    "fire",
+    lambda *, num_heads, max_len, bidirectional, **o: FIREBias(num_heads, bidirectional=bidirectional, **o),
 )

@@ -1,0 +1,114 @@
+"""ALiBi: attention with linear biases (Press et al. 2022, "Train Short, Test Long", ICLR, §3)."""
+
+from __future__ import annotations
+
+import torch
+
+from .base import RelativeBias
+
+__all__ = ["ALiBiBias", "alibi_slopes"]
+
+
+def _check_num_heads(num_heads: object) -> int:
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise TypeError(f"num_heads must be an int, got {num_heads!r}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    return num_heads
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The per-head ALiBi slopes ``m_h`` of Press et al. 2022 (ICLR, §3).
+
+    For a power of two ``n`` the slopes are the geometric sequence ``2^(-8k/n)``, k = 1 .. n (8 heads:
+    1/2, 1/4, ..., 1/256). For other head counts the paper's reference rule is used: the ``p`` slopes of
+    the closest power of two below (``p = 2^floor(log2 n)``), followed by every other slope of ``2p``
+    heads (the 1st, 3rd, 5th, ...) until there are ``n``. For 6 heads: 1/4, 1/16, 1/64, 1/256, 1/2, 1/8;
+    for 12 heads: 2^-1 .. 2^-8, then 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5.
+
+    Args:
+        num_heads: number of heads H, >= 1.
+
+    Returns:
+        float64 tensor (H,), slopes in logits per token of distance, all in (0, 1).
+
+    Raises:
+        TypeError: ``num_heads`` is not an int (bools are rejected).
+        ValueError: ``num_heads`` < 1.
+
+    Example:
+        >>> alibi_slopes(4).tolist()
+        [0.25, 0.0625, 0.015625, 0.00390625]
+    """
+    _check_num_heads(num_heads)
+
+    def geometric(n: int) -> list[float]:  # n a power of two
+        return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
+
+    power = 1 << (num_heads.bit_length() - 1)  # closest power of two <= num_heads
+    slopes = geometric(power)
+    if power != num_heads:
+        slopes += geometric(2 * power)[0::2][: num_heads - power]
+    return torch.tensor(slopes, dtype=torch.float64)
+
+
+class ALiBiBias(RelativeBias):
+    """ALiBi, a fixed linear penalty on distance: ``PE_h(i, j) = -m_h * (i - j)`` for past keys.
+
+    ``m_h`` are :func:`alibi_slopes`. Nothing is learned. Used with the additive score convention,
+    ``(q.k) * scale + PE + Mask`` (Press et al. 2022, §3: the bias is added after the query-key product
+    is scaled), which is this module's ``default_convention``.
+
+    Causal (``bidirectional=False``, the default and the paper's setting): defined for past keys,
+    ``-m_h * (i - j)`` for ``i - j >= 0``; future keys (offset < 0) get 0 and must be masked.
+
+    Bidirectional (``bidirectional=True``, not in the paper; our definition): the symmetric penalty
+    ``-m_h * |i - j|``, so a key at distance d before or after the query is penalised alike.
+
+    Args:
+        num_heads: number of heads H, >= 1; head ``h`` uses slope ``alibi_slopes(H)[h]``.
+        bidirectional: False (default) for causal attention, True for the symmetric form.
+
+    Attributes:
+        slopes: float32 non-persistent buffer (H,), the slopes (derived, so not in the state_dict).
+
+    Raises:
+        TypeError: ``num_heads`` is not an int, ``bidirectional`` not a bool.
+        ValueError: ``num_heads`` < 1.
+
+    Example:
+        >>> ALiBiBias(2)(3, 3)[1]  # slope 1/256; causal, future keys 0 (masked)
+        tensor([[ 0.0000,  0.0000,  0.0000],
+                [-0.0039,  0.0000,  0.0000],
+                [-0.0078, -0.0039,  0.0000]])
+    """
+
+    default_convention = "additive"
+
+    def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
+        super().__init__()
+        _check_num_heads(num_heads)
+        if not isinstance(bidirectional, bool):
+            raise TypeError(f"bidirectional must be a bool, got {bidirectional!r}")
+        self.num_heads = num_heads
+        self.bidirectional = bidirectional
+        self.register_buffer("slopes", alibi_slopes(num_heads).float(), persistent=False)
+
+    def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
+        """``-m_h * |offset|`` (bidirectional) or ``-m_h * max(offset, 0)`` (causal): float (H, *S), logits."""
+        distance = offsets.abs() if self.bidirectional else offsets.clamp(min=0)
+        slopes = self.slopes.reshape(-1, *([1] * offsets.dim()))  # (H, 1, ..., 1)
+        return slopes * (-distance).to(self.slopes.dtype)  # -m_h * distance, without -0.0
+
+    def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
+        """Pairs at the same distance read the same value: ``|offset|`` bidirectional, else the offset."""
+        return offsets.abs() if self.bidirectional else offsets
+
+    @property
+    def num_parameters(self) -> int:
+        """Learnable scalars: 0 (the slopes are fixed)."""
+        return 0
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
+
