@@ -1,0 +1,119 @@
+"""ALiBi (Press et al. 2022, §3): golden slopes, hand-computed bias, sign, backends, errors."""
+
+import math
+
+import pytest
+import torch
+
+import relbias
+from relbias import ALiBiBias, alibi_slopes
+from relbias.backends import BACKENDS
+from relbias.biases import make_bias
+
+
+def test_golden_slopes_8_heads_are_one_half_to_one_over_256():
+    assert alibi_slopes(8).tolist() == [1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64, 1 / 128, 1 / 256]
+
+
+def test_golden_slopes_6_heads_follow_the_reference_interleaving():
+    assert alibi_slopes(6).tolist() == [1 / 4, 1 / 16, 1 / 64, 1 / 256, 1 / 2, 1 / 8]
+
+
+def test_golden_slopes_12_heads_by_hand():
+    # 8 heads: 2^-1 .. 2^-8; then every other slope of 16 heads (2^-0.5, 2^-1, ..., 2^-8): the 1st,
+    # 3rd, 5th and 7th, i.e. 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5.
+    expected = [2.0**-k for k in range(1, 9)] + [2.0**-0.5, 2.0**-1.5, 2.0**-2.5, 2.0**-3.5]
+    assert alibi_slopes(12).tolist() == pytest.approx(expected, rel=1e-15)
+
+
+def test_golden_slopes_small_head_counts():
+    assert alibi_slopes(1).tolist() == [2.0**-8]
+    assert alibi_slopes(2).tolist() == [2.0**-4, 2.0**-8]
+    assert alibi_slopes(3).tolist() == [2.0**-4, 2.0**-8, 2.0**-2]
+
+
+def test_causal_bias_is_minus_slope_times_distance_by_hand():
+    bias = ALiBiBias(4)  # slopes 1/4, 1/16, 1/64, 1/256
+    out = bias(3, 5)  # queries at 2, 3, 4
+    for h, m in enumerate([1 / 4, 1 / 16, 1 / 64, 1 / 256]):
+        for t in range(3):
+            for s in range(5):
+                i = t + 2
+                expected = -m * (i - s) if i >= s else 0.0
+                assert out[h, t, s].item() == pytest.approx(expected, abs=1e-7)
+
+
+def test_bidirectional_bias_is_symmetric_in_distance():
+    bias = ALiBiBias(2, bidirectional=True)
+    out = bias(4, 4)
+    slopes = [1 / 16, 1 / 256]
+    for h in range(2):
+        expected = torch.tensor([[-slopes[h] * abs(i - j) for j in range(4)] for i in range(4)])
+        assert torch.allclose(out[h], expected, atol=0)
+    native = bias.native(2, 6, query_start=3)  # offsets -2 .. 4
+    assert torch.allclose(native.values[0], torch.tensor([-2.0, -1, 0, -1, -2, -3, -4]) / 16)
+
+
+def test_attention_to_past_keys_decays_by_exp_minus_slope_per_token():
+    # Equal q . k for every key (query of zeros): the weights are softmax(-m * distance).
+    heads, length = 4, 6
+    q = torch.zeros(1, heads, length, 8)
+    k = torch.randn(1, heads, length, 8)
+    v = torch.eye(length).expand(1, heads, length, length)  # output row = attention weights
+    weights = relbias.attention(q, k, v, bias=ALiBiBias(heads), is_causal=True)[0, :, -1]  # last query
+    for h, m in enumerate(alibi_slopes(heads).tolist()):
+        row = weights[h]  # keys 0 .. 5, distances 5 .. 0
+        assert torch.all(row[1:] > row[:-1])  # nearer keys weigh more
+        ratios = row[:-1] / row[1:]
+        assert torch.allclose(ratios, torch.full_like(ratios, math.exp(-m)), rtol=1e-5)
+
+
+def test_no_learnable_parameters_and_slopes_not_in_state_dict():
+    bias = ALiBiBias(8)
+    assert bias.num_parameters == 0 and list(bias.parameters()) == []
+    assert bias.state_dict() == {}
+    assert bias.default_convention == "additive"
+
+
+def test_causal_bias_refuses_visible_future_keys():
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="causal"):
+        relbias.attention(q, q, q, bias=ALiBiBias(2), is_causal=False)
+
+
+def test_pairs_sharing_a_value_mirror_in_bidirectional_mode():
+    assert ALiBiBias(1, bidirectional=True).pairs_sharing(1, 3, 4).tolist() == [[0, 2], [1, 3], [2, 0], [3, 1]]
+    assert ALiBiBias(1).pairs_sharing(3, 1, 4).tolist() == [[2, 0], [3, 1]]
+
+
+def test_registry_builds_alibi():
+    bias = make_bias("alibi", num_heads=6, max_len=16, bidirectional=True)
+    assert isinstance(bias, ALiBiBias) and bias.bidirectional
+    assert torch.equal(bias.slopes, alibi_slopes(6).float())
+
+
+@pytest.mark.parametrize("backend", sorted(set(BACKENDS) - {"reference"}))
+def test_every_backend_matches_the_reference(backend):
+    q, k, v = (torch.randn(2, 4, 7, 8, dtype=torch.float64) for _ in range(3))
+    for bias, causal in ((ALiBiBias(4).double(), True), (ALiBiBias(4, bidirectional=True).double(), False)):
+        expected = relbias.attention(q, k, v, bias=bias, is_causal=causal, backend="reference")
+        got = relbias.attention(q, k, v, bias=bias, is_causal=causal, backend=backend)
+        assert torch.allclose(got, expected, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"num_heads": 0}, ValueError, "num_heads must be >= 1, got 0"),
+        ({"num_heads": 2.0}, TypeError, "num_heads must be an int"),
+        ({"num_heads": True}, TypeError, "num_heads must be an int"),
+        ({"num_heads": 2, "bidirectional": 1}, TypeError, "bidirectional must be a bool"),
+    ],
+)
+def test_bad_settings_raise_clear_errors(kwargs, error, message):
+    num_heads = kwargs.pop("num_heads")
+    with pytest.raises(error, match=message):
+        ALiBiBias(num_heads, **kwargs)
+    if "bidirectional" not in kwargs:
+        with pytest.raises(error, match=message):
+            alibi_slopes(num_heads)
