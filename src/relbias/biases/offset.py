@@ -123,6 +123,15 @@ class PerOffsetBias(TableBias):
             values = values.masked_fill(rows < 0, 0.0)  # future keys: no parameter, bias 0
         return values
 
+    def far_constant_distance(self) -> int | None:
+        """Distance T (tokens) from which the bias is one constant per direction, or None.
+
+        With ``out_of_range="clip"`` every offset with ``|i - j| >= L - 1`` reads the parameter of ``±(L - 1)``,
+        so T = ``max_offset``; with ``"error"`` such offsets have no value and None is returned. Used by
+        the structured backend.
+        """
+        return self.max_offset if self.out_of_range == "clip" else None
+
     def extra_repr(self) -> str:
         return (
             f"max_len={self.max_len}, num_heads={self.num_heads}, bidirectional={self.bidirectional}, "

@@ -81,6 +81,13 @@ class T5Bias(TableBias):
         _, lo, _ = self.bucket_ranges()[self.num_buckets // 2 - 1 if self.bidirectional else -1]
         return lo
 
+    def far_constant_distance(self) -> int:
+        """Distance T (tokens) from which the bias is one constant per direction: :attr:`saturation_distance`.
+
+        Used by the structured backend: keys with ``|i - j| >= T`` all read the last bucket of their direction.
+        """
+        return self.saturation_distance
+
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "

@@ -1,0 +1,64 @@
+"""Bias-free fused attention kernels that expose their log-sum-exp, forward and backward.
+
+The structured backend merges several bias-free parts exactly; for that it needs each part's
+log-sum-exp in forward, and a backward that accepts the *merged* output and the *global* log-sum-exp.
+PyTorch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward``)
+offers both. Its causal mask is aligned top-left (key s visible to query t when s <= t), which the
+callers only use on square slices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fused_available", "fused_backward", "fused_forward"]
+
+
+def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    """Whether a fused kernel with log-sum-exp in and out exists here; (ok, reason)."""
+    if device.type != "cpu":
+        return False, (
+            f"no fused kernel on {device.type} that both returns its log-sum-exp and accepts a given one in "
+            f"backward is wired in (the CPU flash kernel is)"
+        )
+    if not hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        return False, f"this PyTorch ({torch.__version__}) has no CPU flash-attention backward op"
+    if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        return False, f"the CPU flash kernel does not take {dtype}"
+    return True, "CPU flash-attention kernel with log-sum-exp"
+
+
+def fused_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bias-free attention on non-empty (B, H, L, D) slices; causal is top-left aligned.
+
+    Returns:
+        out (B, H, Lq, Dv) in the input dtype; lse (B, H, Lq) float32 (float64 for float64 inputs), the
+        natural log-sum-exp of ``scale * q . k`` over the visible keys.
+    """
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, is_causal, attn_mask=None, scale=scale
+    )
+    return out, lse
+
+
+def fused_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`fused_forward` given any (out, lse): with the merged output and the global lse
+    (minus the part's constant bias) it returns exactly this part's share of dq, dk, dv, because the
+    kernel forms ``p = exp(scale * q . k - lse)`` and ``D = dO . out`` from what it is given."""
+    dtype = query.dtype
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.to(dtype).contiguous(), query, key, value, out.to(dtype).contiguous(), lse.contiguous(),
+        0.0, is_causal, attn_mask=None, scale=scale,
+    )

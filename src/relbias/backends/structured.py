@@ -1,0 +1,219 @@
+"""The structured backend: exact attention for biases that are constant far from the diagonal.
+
+Some biases take one value per head and direction beyond a distance T (the T5 bias beyond its last
+bucket's start, 91 bidirectional / 113 causal for 32 buckets and max_distance 128; a per-offset bias
+with ``out_of_range="clip"`` beyond L - 1). A constant added to every score of a set of keys is
+absorbed by softmax into that set's log-sum-exp, so attention splits into three exact parts:
+
+* far past keys, offset ``i - j >= T``, bias ``c_past``: bias-free fused attention on shifted slices
+  (e.g. ``q[T:]`` against ``k[:N-T]`` with a causal mask);
+* far future keys, offset ``<= -T`` (bidirectional only), bias ``c_future``: the same, mirrored;
+* the band ``|i - j| < T``: the tiled kernel with the bias looked up per tile.
+
+The parts are merged by log-sum-exp: ``lse = logsumexp_p(lse_p + c_p)``,
+``out = sum_p exp(lse_p + c_p - lse) out_p``. Backward calls each fused part's backward with the merged
+output and the global ``lse - c_p``, which yields exactly that part's share of dq, dk, dv; the band
+recomputes its tiles; the gradient of a constant is ``sum_i w_i (dO_i . out_p,i - D_i)`` with
+``w_i = exp(lse_p,i + c_p - lse_i)`` and ``D_i = dO_i . O_i`` (sums over batch and rows, in a fixed
+order: deterministic). Saved for backward: O(B·H·L·D).
+
+Requirements (the dispatcher checks them and says why when one fails): an offset-only bias with a
+``far_constant_distance()``, no ``mask``, and a device with a fused kernel that exposes its
+log-sum-exp (CPU here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..biases.base import RelativeBias
+from ..positions import Alignment
+from ._fused import fused_backward, fused_forward
+from ._tiled import TileProblem, tiled_backward, tiled_forward
+from ._tiles import NativeSource
+from .blockwise import compute_dtype
+
+__all__ = ["far_distance", "far_parts", "structured_attention"]
+
+_NEG_INF = float("-inf")
+
+
+def far_distance(bias: object) -> int | None:
+    """The distance T (tokens, >= 1) beyond which ``bias`` is one constant per direction, or None."""
+    method = getattr(bias, "far_constant_distance", None)
+    if not isinstance(bias, RelativeBias) or not bias.offset_only or method is None:
+        return None
+    distance = method()
+    return None if distance is None else max(1, int(distance))
+
+
+def _lower_parts(lq: int, lk: int, m: int) -> list[tuple[int, int, int, int, bool]]:
+    """Cover ``{(t, s): s <= t - m}`` of an (lq, lk) grid by slices (t0, t1, s0, s1, causal).
+
+    ``causal`` slices are square with a top-left causal mask (so any kernel alignment agrees); the
+    others are full rectangles.
+    """
+    parts = []
+    if lq <= 0 or lk <= 0:
+        return parts
+    if m >= 0:
+        rows = lq - m  # rows t = m + u see keys s <= u
+        if rows <= 0:
+            return parts
+        side = min(rows, lk)
+        parts.append((m, m + side, 0, side, True))
+        if rows > lk:
+            parts.append((m + lk, lq, 0, lk, False))
+    else:
+        r = -m  # keys s < r are visible to every row; keys s >= r to rows t >= s - r
+        parts.append((0, lq, 0, min(r, lk), False))
+        if lk > r:
+            side = min(lq, lk - r)
+            parts.append((0, side, r, r + side, True))
+            if lq > lk - r:
+                parts.append((lk - r, lq, r, lk, False))
+    return parts
+
+
+def far_parts(alignment: Alignment, distance: int, is_causal: bool) -> list[tuple[int, int, int, int, str, int]]:
+    """The far regions of a block as fused-kernel slices.
+
+    Returns:
+        list of (t0, t1, s0, s1, mode, direction): rows t0:t1 and keys s0:s1 (indices into the block);
+        mode "full", "lower" (key s visible when s - s0 <= t - t0) or "upper" (s - s0 >= t - t0);
+        direction 0 for the past constant (offset >= T), 1 for the future one (offset <= -T).
+    """
+    lq, lk = alignment.query_len, alignment.key_len
+    delta = alignment.query_start - alignment.key_start
+    parts = [(t0, t1, s0, s1, "lower" if c else "full", 0) for t0, t1, s0, s1, c in _lower_parts(lq, lk, distance - delta)]
+    if not is_causal:
+        # s - t >= delta + T; mirrored (t' = lq-1-t, s' = lk-1-s) it is s' <= t' - (delta + T - lk + lq)
+        for t0, t1, s0, s1, c in _lower_parts(lq, lk, delta + distance - lk + lq):
+            parts.append((lq - t1, lq - t0, lk - s1, lk - s0, "upper" if c else "full", 1))
+    return parts
+
+
+def _run_part(q, k, v, mode, scale):
+    if mode == "upper":  # mirror, run top-left causal, mirror back
+        out, lse = fused_forward(q.flip(2), k.flip(2), v.flip(2), is_causal=True, scale=scale)
+        return out.flip(2), lse.flip(2)
+    return fused_forward(q, k, v, is_causal=mode == "lower", scale=scale)
+
+
+def _part_backward(do, q, k, v, out, lse, mode, scale):
+    if mode == "upper":
+        grads = fused_backward(
+            do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(2), is_causal=True, scale=scale
+        )
+        return tuple(g.flip(2) for g in grads)
+    return fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale)
+
+
+class _StructuredFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, values, problem: TileProblem, parts, const_index, bias_scale):
+        compute = problem.compute
+        consts = values.detach().to(compute)[:, const_index] * bias_scale  # (Hb, 2): past, future
+        out, lse = tiled_forward(problem)  # the band
+        lse_band = lse.clone()
+        part_stats = []
+        for t0, t1, s0, s1, mode, direction in parts:
+            o_p, l_p = _run_part(query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], mode, problem.scale)
+            l_p = l_p.to(compute) + consts[:, direction, None]  # (B, H, rows) + (Hb, 1)
+            lse[:, :, t0:t1] = torch.logaddexp(lse[:, :, t0:t1], l_p)
+            part_stats.append((o_p, l_p))
+        finite = lse > _NEG_INF
+        lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
+        out = out * torch.where(finite, torch.exp(lse_band - lse_safe), torch.zeros_like(lse))[..., None]
+        for (t0, t1, *_), (o_p, l_p) in zip(parts, part_stats):
+            out[:, :, t0:t1] += torch.exp(l_p - lse[:, :, t0:t1])[..., None] * o_p.to(compute)
+        keep = [o for o, _ in part_stats] if values.requires_grad else []
+        ctx.save_for_backward(query, key, value, values, out, lse, *keep, *[l for _, l in part_stats])
+        ctx.problem, ctx.parts, ctx.const_index, ctx.bias_scale = problem, parts, const_index, bias_scale
+        ctx.kept, ctx.consts = bool(keep), consts
+        return out.to(query.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, key, value, values, out, lse, *stats = ctx.saved_tensors
+        problem: TileProblem = ctx.problem
+        problem.query, problem.key, problem.value = query, key, value
+        parts, n = ctx.parts, len(ctx.parts)
+        part_out = stats[:n] if ctx.kept else [None] * n
+        part_lse = stats[n:] if ctx.kept else stats
+        compute = problem.compute
+        source: NativeSource = problem.source
+        source.grad.zero_()
+        do = grad_out.to(compute)
+        row_dot = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
+        dq, dk, dv = tiled_backward(problem, do, lse, row_dot)
+        dconst = torch.zeros(values.shape[0], 2, dtype=compute, device=values.device)
+        for (t0, t1, s0, s1, mode, direction), o_p, l_p in zip(parts, part_out, part_lse):
+            rows_lse = lse[:, :, t0:t1]
+            # The kernel forms p = exp(scale q.k - lse): given lse - c_p, p is the global probability.
+            kernel_lse = rows_lse - ctx.consts[:, direction, None]
+            gq, gk, gv = _part_backward(
+                do[:, :, t0:t1], query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], out[:, :, t0:t1],
+                kernel_lse, mode, problem.scale,
+            )
+            dq[:, :, t0:t1] += gq.to(compute)
+            dk[:, :, s0:s1] += gk.to(compute)
+            dv[:, :, s0:s1] += gv.to(compute)
+            if o_p is not None:
+                per_row = torch.exp(l_p - rows_lse) * ((do[:, :, t0:t1] * o_p.to(compute)).sum(-1) - row_dot[:, :, t0:t1])
+                per_head = per_row.sum(dim=(0, 2))  # (H,)
+                dconst[:, direction] += per_head.sum(0, keepdim=True) if values.shape[0] == 1 else per_head
+        grad_values = None
+        if values.requires_grad:
+            grad_values = source.native_grad().to(values.dtype)
+            for direction in (0, 1):
+                grad_values[:, ctx.const_index[direction]] += (dconst[:, direction] * ctx.bias_scale).to(values.dtype)
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_values, None, None, None, None
+
+
+def structured_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: RelativeBias,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    convention: str,
+    alignment: Alignment,
+    block_q: int = 128,
+) -> torch.Tensor:
+    """Exact attention with a far-constant bias: fused bias-free far parts + a tiled near band, merged by
+    log-sum-exp. Arguments are validated by the caller; see :func:`relbias.attention` for the formula.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
+    ``query``. ``block_q``: query rows per band tile (tokens).
+
+    Raises:
+        ValueError: ``mask`` is given, or ``bias`` has no far constant (see :func:`far_distance`); the
+            dispatcher routes such calls elsewhere.
+    """
+    if mask is not None:
+        raise ValueError("the structured backend takes no mask (padding masks go to the blockwise backend)")
+    distance = far_distance(bias)
+    if distance is None:
+        raise ValueError(f"{type(bias).__name__} is not constant beyond a distance; the structured backend needs that")
+    compute = compute_dtype(query.dtype)
+    native = bias.native(
+        alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start,
+        device=query.device,
+    )
+    values, lo, hi = native.values, alignment.min_offset, alignment.max_offset
+    bias_scale = scale if convention == "seed" else 1.0
+    delta = alignment.query_start - alignment.key_start
+    source = NativeSource(values, lo, delta, bias_scale, compute)
+    # Column of each far constant: offset T (past) and -T (future), moved inside the block's offsets.
+    const_index = [min(max(distance, lo), hi) - lo, min(max(-distance, lo), hi) - lo]
+    band = TileProblem(
+        query, key, value, scale, source, None, is_causal, delta,
+        min_offset=-(distance - 1), max_offset=distance - 1, block_q=block_q, block_k=block_q + 2 * distance,
+        compute=compute,
+    )
+    parts = far_parts(alignment, distance, is_causal)
+    return _StructuredFunction.apply(query, key, value, values, band, parts, const_index, bias_scale)
