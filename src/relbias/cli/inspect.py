@@ -1,0 +1,378 @@
+"""``relbias inspect``: how one bias family, or one saved T5 table, treats distance.
+
+For a family and its settings (``--family``), or for a T5 bias table in a state_dict / safetensors file
+(``--state``), prints the bucket map where there is one (:func:`relbias.t5_bucket_ranges`), the number of
+learnable scalars, the family's own constants (ALiBi slopes, KERPLE r1/r2, FIRE c and L), and which
+(query, key) pairs read the same parameter (:meth:`relbias.RelativeBias.pairs_sharing`); writes two PNG
+plots: bias vs offset (one line per head) and the (Lq, Lk) bias heatmap of every head. ``--json`` prints
+the same, machine-readable. Plots need matplotlib (the ``cli`` extra). Offsets are ``i - j``, query minus
+key position, in tokens (docs/conventions.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+
+from ..biases import FAMILIES, ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, RelativeBias, T5Bias, make_bias
+
+__all__ = ["register", "run", "load_t5_table", "bias_vs_offset"]
+
+_DPI = 100
+_MISSING_MATPLOTLIB = (
+    "plots need matplotlib, an optional extra: pip install 'relbias[cli]' (or pass --no-plots for the text only)"
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``inspect`` subcommand."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="show how a bias family (or a saved T5 table) treats distance: bucket map, parameters, plots",
+        description=__doc__.split("\n\n")[1],
+    )
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--family", help=f"bias family: {', '.join(sorted(FAMILIES))} ('none' = NoPE)")
+    source.add_argument("--state", metavar="FILE", help="state_dict (.pt/.bin) or .safetensors file with a T5 table")
+    p.add_argument("--key", help="tensor in --state to read as a (num_buckets, num_heads) table")
+    p.add_argument("--stack", choices=("encoder", "decoder"), help="Hugging Face table to read (default: encoder)")
+    p.add_argument("--num-heads", type=int, help="heads H (default 8; a --state table sets its own)")
+    p.add_argument("--max-len", type=int, default=64, help="sequence length L of the plots and pairs (default 64)")
+    p.add_argument("--num-buckets", type=int, help="T5 buckets (t5 family; default 32)")
+    p.add_argument("--max-distance", type=int, help="T5 max_distance in tokens (default 128)")
+    direction = p.add_mutually_exclusive_group()
+    direction.add_argument("--causal", action="store_true", help="causal (decoder) form")
+    direction.add_argument("--bidirectional", action="store_true", help="bidirectional (encoder) form")
+    p.add_argument("--pair", type=int, nargs=2, metavar=("QUERY", "KEY"), help="pair to find sharers of (default L-1, L//2)")
+    p.add_argument("--seed", type=int, default=0, help="seed of a fresh family's initialisation (default 0)")
+    p.add_argument("--out-dir", default=".", help="folder for the PNG plots (default: current folder)")
+    p.add_argument("--width", type=int, default=800, help="plot width in pixels (default 800)")
+    p.add_argument("--height", type=int, default=600, help="plot height in pixels (default 600)")
+    p.add_argument("--no-plots", action="store_true", help="print only, write no PNG")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=run)
+
+
+# ---------------------------------------------------------------- loading a T5 table from a file
+
+
+def _read_tensors(path: str, key: str | None) -> dict[str, torch.Tensor]:
+    """Tensors of a state_dict / safetensors file: only ``key`` when given (safetensors reads nothing else)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no file at {path!r}")
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors import safe_open
+        except ImportError:
+            raise RuntimeError("reading .safetensors needs the safetensors package: pip install 'relbias[hf]'") from None
+        try:
+            with safe_open(path, framework="pt", device="cpu") as handle:
+                keys = list(handle.keys())
+                if key is not None and key not in keys:
+                    raise ValueError(f"{path} has no tensor {key!r}; it holds {_some(keys)}")
+                return {k: handle.get_tensor(k) for k in ([key] if key is not None else keys)}
+        except ValueError:
+            raise
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            raise ValueError(f"could not read {path} as safetensors: {exc}") from None
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle / zip errors of a file that is not a state_dict
+        raise ValueError(f"could not read {path} as a PyTorch state_dict: {exc}") from None
+    if isinstance(obj, torch.Tensor):
+        obj = {"<tensor>": obj}
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a state_dict of tensors or a single tensor")
+    if key is not None and key not in obj:
+        raise ValueError(f"{path} has no tensor {key!r}; it holds {_some(list(obj))}")
+    return obj if key is None else {key: obj[key]}
+
+
+def _some(keys: list[str], n: int = 8) -> str:
+    return ", ".join(repr(k) for k in keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def load_t5_table(
+    path: str,
+    *,
+    key: str | None = None,
+    stack: str | None = None,
+    bidirectional: bool | None = None,
+    max_distance: int = 128,
+) -> tuple[T5Bias, str]:
+    """A :class:`relbias.T5Bias` holding a (num_buckets, num_heads) table from a file.
+
+    Args:
+        path: a ``torch.save`` state_dict or tensor (.pt, .bin, ...) or a ``.safetensors`` file.
+        key: the tensor to read. Default: the Hugging Face table of ``stack`` (T5, mT5, UMT5 layout, via
+            :mod:`relbias.integrations.loading`; layer 0), else the file's only 2-D float tensor.
+        stack: "encoder" (default when present) or "decoder", for a Hugging Face file.
+        bidirectional: the table's direction; default: the Hugging Face stack's (encoder bidirectional,
+            decoder causal), or for ``key`` causal when the name contains "decoder", else bidirectional.
+        max_distance: T5 max_distance in tokens (not stored in the weights; 128 for released T5 models).
+
+    Returns:
+        ``(bias, where)``: the module (float32 weight) and the tensor's name in the file.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: unreadable file, no or several candidate tables, a tensor that is not 2-D float, a
+            direction contradicting a Hugging Face stack, invalid bucket settings.
+        RuntimeError: safetensors is not installed.
+    """
+    tensors = _read_tensors(path, key)
+    if key is None:
+        from ..integrations.loading import t5_biases_from_state_dict
+
+        try:
+            biases = t5_biases_from_state_dict(tensors, max_distance=max_distance)
+        except ValueError as exc:
+            if "no T5 relative position table" not in str(exc):
+                raise
+            biases = None
+        if biases is not None:
+            stack = stack or ("encoder" if biases.encoder else "decoder")
+            found = biases.stack(stack)
+            if not found:
+                raise ValueError(f"{path} has no {stack} table")
+            if bidirectional is not None and bidirectional != (stack == "encoder"):
+                raise ValueError(
+                    f"the {stack} table of a T5 model is {'bidirectional' if stack == 'encoder' else 'causal'}; "
+                    f"drop --causal/--bidirectional and pick the table with --stack"
+                )
+            bias = found[0]
+            bias.weight = torch.nn.Parameter(bias.weight.detach().float())
+            return bias, f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+        tables = [k for k, v in tensors.items() if v.dim() == 2 and v.is_floating_point()]
+        if len(tables) != 1:
+            raise ValueError(
+                f"{path}: found {len(tables)} 2-D float tensors ({_some(tables)}) and no Hugging Face T5 table; "
+                f"name the (num_buckets, num_heads) table with --key"
+            )
+        key = tables[0]
+    table = tensors[key]
+    if table.dim() != 2 or not table.is_floating_point():
+        raise ValueError(f"{key!r} has shape {tuple(table.shape)} and dtype {table.dtype}; a T5 table is 2-D float "
+                         f"(num_buckets, num_heads)")
+    if bidirectional is None:
+        bidirectional = "decoder" not in key
+    num_buckets, num_heads = table.shape
+    with torch.random.fork_rng(devices=[]):
+        bias = T5Bias(num_heads, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
+    bias.weight = torch.nn.Parameter(table.detach().float().clone())
+    return bias, key
+
+
+# ---------------------------------------------------------------- what to show
+
+
+def bias_vs_offset(bias: RelativeBias | None, offsets: torch.Tensor, query_position: int, num_heads: int) -> torch.Tensor:
+    """Bias of each head at each offset: float (H, n) for int64 offsets (n,), logits.
+
+    An offset-only family reads :meth:`RelativeBias.offset_values`; one that also reads the query position
+    (FIRE) is evaluated for the query at ``query_position`` and keys at ``query_position - offset``. ``None``
+    (NoPE) is zero everywhere, with ``num_heads`` rows.
+    """
+    if bias is None:
+        return torch.zeros(num_heads, offsets.numel())
+    with torch.no_grad():
+        if bias.offset_only:
+            return bias.offset_values(offsets).float()
+        query = torch.tensor([query_position])
+        return bias.pair_values(query, query - offsets)[:, 0].float()
+
+
+def _family_constants(bias: RelativeBias | None) -> dict[str, object]:
+    with torch.no_grad():
+        if isinstance(bias, ALiBiBias):
+            return {"slopes": bias.slopes.tolist()}
+        if isinstance(bias, (KerpleLogBias, KerplePowerBias)):
+            return {"r1": bias.r1.tolist(), "r2": bias.r2.tolist()}
+        if isinstance(bias, FIREBias):
+            return {"c": float(bias.c), "threshold": float(bias.threshold), "hidden_width": bias.hidden_width}
+    return {}
+
+
+def _pairs_sharing(bias: RelativeBias | None, query: int, key: int, length: int, causal: bool) -> torch.Tensor:
+    if bias is not None:
+        return bias.pairs_sharing(query, key, length)
+    for name, value in (("query", query), ("key", key)):  # NoPE: every visible pair reads the same 0
+        if not 0 <= value < length:
+            raise ValueError(f"{name} must be a position in [0, {length}), got {value}")
+    grid = torch.ones(length, length, dtype=torch.bool)
+    return (grid.tril() if causal else grid).nonzero()
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("max_len", "width", "height"):
+        value = getattr(args, name)
+        low = 16 if name != "max_len" else 1
+        if value < low or (name != "max_len" and value > 10000):
+            limit = f"in [{low}, 10000] pixels" if name != "max_len" else ">= 1 token"
+            raise ValueError(f"--{name.replace('_', '-')} must be {limit}, got {value}")
+    if args.num_heads is not None and args.num_heads < 1:
+        raise ValueError(f"--num-heads must be >= 1, got {args.num_heads}")
+    if args.family is not None:
+        for name in ("key", "stack"):
+            if getattr(args, name) is not None:
+                raise ValueError(f"--{name} reads a --state file; it does not apply to --family")
+        if args.family != "t5":
+            for name in ("num_buckets", "max_distance"):
+                if getattr(args, name) is not None:
+                    raise ValueError(f"--{name.replace('_', '-')} applies to the t5 family only, not {args.family!r}")
+
+
+def _build(args: argparse.Namespace) -> tuple[RelativeBias | None, dict[str, object], int, bool]:
+    """The bias, a description of its source, H, and whether it is causal."""
+    if args.state is not None:
+        bidirectional = True if args.bidirectional else False if args.causal else None
+        bias, where = load_t5_table(
+            args.state, key=args.key, stack=args.stack, bidirectional=bidirectional,
+            max_distance=args.max_distance if args.max_distance is not None else 128,
+        )
+        for name, value, actual in (("num-heads", args.num_heads, bias.num_heads), ("num-buckets", args.num_buckets, bias.num_buckets)):
+            if value is not None and value != actual:
+                raise ValueError(f"--{name} {value} does not match the table in {args.state}, which has {actual}")
+        return bias, {"file": args.state, "key": where}, bias.num_heads, not bias.bidirectional
+    num_heads = args.num_heads if args.num_heads is not None else 8
+    options = {}
+    if args.family == "t5":
+        options = {"num_buckets": args.num_buckets or 32, "max_distance": args.max_distance or 128}
+    torch.manual_seed(args.seed)
+    bias = make_bias(args.family, num_heads=num_heads, max_len=args.max_len, bidirectional=not args.causal, **options)
+    return bias, {"family": args.family}, num_heads, args.causal
+
+
+def describe(args: argparse.Namespace) -> tuple[dict[str, object], torch.Tensor, torch.Tensor]:
+    """Everything ``inspect`` reports, JSON-ready, plus the curves (H, n) and heatmaps (H, L, L) to plot."""
+    _check_args(args)
+    bias, source, num_heads, causal = _build(args)
+    length = args.max_len
+    query, key = args.pair if args.pair is not None else (length - 1, length // 2)
+    offsets = torch.arange(0 if causal else -(length - 1), length)
+    curves = bias_vs_offset(bias, offsets, length - 1, num_heads)
+    with torch.no_grad():
+        heatmaps = bias(length, length).float() if bias is not None else torch.zeros(num_heads, length, length)
+    heatmaps = heatmaps.expand(num_heads, length, length).clone()
+    if causal:
+        heatmaps.masked_fill_(torch.ones(length, length, dtype=torch.bool).triu(1), float("nan"))  # masked keys
+    pairs = _pairs_sharing(bias, query, key, length, causal)
+    info: dict[str, object] = {
+        "source": source,
+        "family": args.family if args.family is not None else "t5",
+        "class": type(bias).__name__ if bias is not None else None,
+        "num_heads": num_heads,
+        "bidirectional": not causal,
+        "default_convention": bias.default_convention if bias is not None else None,
+        "offset_only": bias.offset_only if bias is not None else True,
+        "parameter_count": sum(p.numel() for p in bias.parameters()) if bias is not None else 0,
+        "constants": _family_constants(bias),
+        "bucket_map": None,
+        "pairs_sharing": {"query": query, "key": key, "length": length, "count": len(pairs), "pairs": pairs.tolist()},
+        "bias_vs_offset": {"query_position": length - 1, "offsets": offsets.tolist(), "values": curves.tolist()},
+        "plots": {},
+    }
+    if isinstance(bias, T5Bias):
+        info["bucket_map"] = [{"bucket": b, "lowest_offset": lo, "highest_offset": hi} for b, lo, hi in bias.bucket_ranges()]
+    return info, curves, heatmaps
+
+
+# ---------------------------------------------------------------- plots and printing
+
+
+def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor, args: argparse.Namespace) -> dict[str, str]:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError(_MISSING_MATPLOTLIB) from None
+    os.makedirs(args.out_dir, exist_ok=True)
+    name = info["family"] if args.family is not None else "t5_table"
+    size = (args.width / _DPI, args.height / _DPI)
+    title = f"{info['class'] or 'NoPE (no position bias)'}, {'bidirectional' if info['bidirectional'] else 'causal'}"
+    paths = {"bias_vs_offset": os.path.join(args.out_dir, f"{name}_bias_vs_offset.png"),
+             "heatmap": os.path.join(args.out_dir, f"{name}_heatmap.png")}
+
+    fig = Figure(figsize=size, dpi=_DPI)
+    ax = fig.add_subplot()
+    offsets = info["bias_vs_offset"]["offsets"]
+    for h, row in enumerate(curves.tolist()):
+        ax.plot(offsets, row, label=f"head {h}")
+    ax.set_xlabel("offset i - j (tokens; > 0: key in the past)")
+    ax.set_ylabel("bias (logits)")
+    where = "" if info["offset_only"] else f" (query at position {info['bias_vs_offset']['query_position']})"
+    ax.set_title(title + where, fontsize="small")
+    if curves.shape[0] <= 16:
+        ax.legend(fontsize="x-small", ncol=2)
+    fig.savefig(paths["bias_vs_offset"], dpi=_DPI)
+
+    heads = heatmaps.shape[0]
+    cols = math.ceil(math.sqrt(heads))
+    rows = math.ceil(heads / cols)
+    fig = Figure(figsize=size, dpi=_DPI)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    shown = heatmaps[~heatmaps.isnan()]  # masked (future) keys are NaN: left blank, out of the colour range
+    low, high = float(shown.min()), float(shown.max())
+    for h, ax in enumerate(axes.flat):
+        if h >= heads:
+            ax.set_axis_off()
+            continue
+        image = ax.imshow(heatmaps[h].numpy(), vmin=low, vmax=high, cmap="viridis", interpolation="nearest")
+        ax.set_title(f"head {h}", fontsize="x-small")
+        ax.tick_params(labelsize="xx-small")
+    fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="bias (logits)")
+    fig.suptitle(f"{title}: (query, key) bias, L = {heatmaps.shape[1]}; rows queries, columns keys", fontsize="small")
+    fig.savefig(paths["heatmap"], dpi=_DPI)
+    return paths
+
+
+def _fmt(lo: int | None, hi: int | None) -> str:
+    if lo is None and hi is None:
+        return "(unused)"
+    return f"{'-inf' if lo is None else lo} .. {'+inf' if hi is None else hi}"
+
+
+def _print_text(info: dict[str, object], args: argparse.Namespace) -> None:
+    source = info["source"]
+    origin = f"file {source['file']}, tensor {source['key']}" if "file" in source else f"family {source['family']}"
+    print(f"{origin}: {info['class'] or 'NoPE, no position bias'}, {info['num_heads']} heads, "
+          f"{'bidirectional' if info['bidirectional'] else 'causal'}"
+          + (f", score convention {info['default_convention']!r}" if info["default_convention"] else ""))
+    print(f"learnable parameters: {info['parameter_count']}")
+    for name, value in info["constants"].items():
+        shown = ", ".join(f"{v:.4g}" for v in value) if isinstance(value, list) else f"{value:.4g}"
+        print(f"  {name}: {shown}")
+    if info["bucket_map"] is not None:
+        print("bucket map (offsets i - j, query minus key position):")
+        for entry in info["bucket_map"]:
+            print(f"  {entry['bucket']:4d}  {_fmt(entry['lowest_offset'], entry['highest_offset'])}")
+    elif info["class"] is None:
+        print("bucket map: none (no position bias: every pair gets 0)")
+    else:
+        print("bucket map: none (the bias is a function of the offset" + ("" if info["offset_only"] else " and the query position") + ")")
+    share = info["pairs_sharing"]
+    pairs = " ".join(f"({q},{k})" for q, k in share["pairs"][:12]) + (" ..." if share["count"] > 12 else "")
+    print(f"pairs (query, key) sharing the parameter (or function value) of ({share['query']},{share['key']}) in a "
+          f"{share['length']}-token sequence: {share['count']}: {pairs}")
+    for kind, path in info["plots"].items():
+        print(f"wrote {path} ({args.width}x{args.height} px, {kind.replace('_', ' ')})")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report (text or ``--json``) and write the plots unless ``--no-plots``."""
+    if not args.no_plots:
+        try:
+            import matplotlib  # noqa: F401  (fail before any work when the extra is missing)
+        except ImportError:
+            raise RuntimeError(_MISSING_MATPLOTLIB) from None
+    info, curves, heatmaps = describe(args)
+    if not args.no_plots:
+        info["plots"] = _plot(info, curves, heatmaps, args)
+    if args.json:
+        print(json.dumps(info))
+    else:
+        _print_text(info, args)
+    return 0
