@@ -3,6 +3,7 @@
 from .biases import CONVENTIONS, FunctionBias, NativeBias, PerOffsetBias, RelativeBias, T5Bias, TableBias
 from .biases import ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, alibi_slopes
 from .buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
+from .dispatch import explain_backend
 from .functional import attention
 from .positions import Alignment, relative_offsets, resolve_alignment
 
@@ -23,6 +24,7 @@ __all__ = [
     "TableBias",
     "alibi_slopes",
     "attention",
+    "explain_backend",
     "relative_offsets",
     "resolve_alignment",
     "t5_bucket",

@@ -6,6 +6,7 @@ import torch
 
 from . import _checks
 from .backends import BACKENDS
+from .dispatch import resolve_backend
 from .biases.base import RelativeBias
 from .positions import resolve_alignment
 
@@ -24,7 +25,7 @@ def attention(
     convention: str | None = None,
     query_start: int | None = None,
     key_start: int = 0,
-    backend: str = "reference",
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
@@ -60,7 +61,11 @@ def attention(
             PerOffsetBias / FunctionBias: "seed"), and "seed" for a tensor bias or no bias.
         query_start: absolute position (tokens) of the first query.
         key_start: absolute position (tokens) of the first key.
-        backend: "reference" (default): materialises the bias; the oracle for faster backends.
+        backend: "auto" (default): :func:`relbias.dispatch.choose_backend` picks by device, dtype, grad
+            mode, bias family and shape (:func:`relbias.explain_backend` says which and why);
+            "reference": materialises the scores, the oracle; "blockwise": tiled, memory O(N·D), every
+            bias module and mask; "structured": far-constant biases (T5, clipped per-offset) without a
+            mask, fused bias-free far parts plus a tiled band (CPU); "flex": FlexAttention, compiled.
 
     Returns:
         (B, H, Lq, Dv) in the dtype of ``query``. Softmax and its accumulations run in float32 (float64
@@ -75,7 +80,8 @@ def attention(
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
             nor H; a non-finite bias tensor; a float mask with NaN or +inf; a non-positive scale, or a
-            scale other than 1 with "t5"; an unknown convention or backend; arguments on different
+            scale other than 1 with "t5"; an unknown convention or backend; a named backend that cannot
+            run the call (the message says why); arguments on different
             devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;
             offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off).
 
@@ -96,11 +102,12 @@ def attention(
     _checks.check_bias(bias, query, target)
     _checks.check_mask(mask, query, target)
     convention, scale = _checks.resolve_convention(convention, bias, scale, head_dim)
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {sorted(BACKENDS)}")
+    if backend != "auto" and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; available: {['auto', *sorted(BACKENDS)]}")
     if isinstance(bias, RelativeBias) and not bias.bidirectional:
         _check_no_visible_future(mask, is_causal, alignment, query.device)
-    return BACKENDS[backend](
+    name, _ = resolve_backend(backend, query, key, value, bias=bias, mask=mask, is_causal=is_causal, alignment=alignment)
+    return BACKENDS[name](
         query, key, value,
         bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention, alignment=alignment,
     )

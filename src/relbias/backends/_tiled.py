@@ -13,7 +13,7 @@ row's *global* log-sum-exp ``L_i`` (over every part of a decomposition) and ``D_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -55,6 +55,7 @@ class TileProblem:
     block_q: int = 256
     block_k: int = 1024
     compute: torch.dtype = torch.float32
+    _cache: dict = field(default_factory=dict, repr=False)
 
     def offset_limits(self) -> tuple[float, float]:
         lo = float("-inf") if self.min_offset is None else self.min_offset
@@ -79,29 +80,50 @@ class TileProblem:
         for s0 in range(s_lo, s_hi, self.block_k):
             yield s0, min(s_hi, s0 + self.block_k)
 
+    def _additive_tile(self, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor | None:
+        """Bias (scaled) plus -inf at offsets outside the attended range: (Hb or 1, Tq, Tk), or None.
+
+        For a translation-invariant source it depends only on the tile's size and on ``delta + t0 - s0``,
+        so equal tiles (e.g. every interior tile of the band) are computed once per pass and cached.
+        """
+        invariant = self.source is None or getattr(self.source, "translation_invariant", False)
+        key = (t1 - t0, s1 - s0, self.delta + t0 - s0)
+        if invariant and key in self._cache:
+            return self._cache[key]
+        tile = None if self.source is None else self.source.tile(t0, t1, s0, s1)
+        lo, hi = self.offset_limits()
+        tile_lo, tile_hi = self.delta + t0 - (s1 - 1), self.delta + (t1 - 1) - s0
+        if tile_lo < lo or tile_hi > hi:
+            device = self.query.device
+            off = torch.arange(t0, t1, device=device)[:, None] - torch.arange(s0, s1, device=device)[None, :]
+            off = off + self.delta
+            hidden = (off < lo) | (off > hi)
+            if tile is None:
+                tile = torch.zeros(1, t1 - t0, s1 - s0, dtype=self.compute, device=device)
+            tile = tile.masked_fill(hidden, _NEG_INF)
+        if invariant:
+            if len(self._cache) >= 8:
+                self._cache.clear()
+            self._cache[key] = tile
+        return tile
+
+    def clear_cache(self) -> None:
+        """Drop the cached tiles (called at the end of each pass, so nothing of them is kept for backward)."""
+        self._cache = {}
+
     def scores(self, q: torch.Tensor, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
         """Scores of a tile, (B, H, Tq, Tk) in ``compute``, with -inf at hidden entries."""
         k = self.key[:, :, s0:s1].to(self.compute)
         s = torch.matmul(q, k.transpose(-2, -1)).mul_(self.scale)
-        if self.source is not None:
-            s.add_(self.source.tile(t0, t1, s0, s1))
-        hidden = None
-        lo, hi = self.offset_limits()
-        tile_lo, tile_hi = self.delta + t0 - (s1 - 1), self.delta + (t1 - 1) - s0
-        if tile_lo < lo or tile_hi > hi:
-            off = torch.arange(t0, t1, device=s.device)[:, None] - torch.arange(s0, s1, device=s.device)[None, :]
-            off = off + self.delta
-            hidden = (off < lo) | (off > hi)
+        tile = self._additive_tile(t0, t1, s0, s1)
+        if tile is not None:
+            s.add_(tile)
         if self.mask is not None:
             m = mask_tile(self.mask, t0, t1, s0, s1)
             if m.dtype == torch.bool:
-                hidden = ~m if hidden is None else hidden | ~m
+                s = s.masked_fill(~m, _NEG_INF)
             else:
-                neg = m == _NEG_INF
-                s = s + m.to(self.compute).masked_fill(neg, 0.0)
-                hidden = neg if hidden is None else hidden | neg
-        if hidden is not None:
-            s = s.masked_fill(hidden, _NEG_INF)
+                s = s + m.to(self.compute)  # finite values add; -inf entries hide the key
         return s
 
 
@@ -121,22 +143,25 @@ def tiled_forward(problem: TileProblem) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.full((b, h, lq), _NEG_INF, dtype=problem.compute, device=q_all.device)
     for t0, t1, s_lo, s_hi in problem.query_blocks():
         q = q_all[:, :, t0:t1].to(problem.compute)
-        m = torch.full((b, h, t1 - t0), _NEG_INF, dtype=problem.compute, device=q.device)
-        denom = torch.zeros_like(m)
-        acc = torch.zeros(b, h, t1 - t0, dv, dtype=problem.compute, device=q.device)
+        m = denom = acc = None
         for s0, s1 in problem.key_blocks(s_lo, s_hi):
             s = problem.scores(q, t0, t1, s0, s1)
-            m_new = torch.maximum(m, s.amax(dim=-1))
+            v = v_all[:, :, s0:s1].to(problem.compute)
+            m_new = s.amax(dim=-1) if m is None else torch.maximum(m, s.amax(dim=-1))
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows with nothing visible yet
-            p = torch.exp(s - m_safe[..., None])
-            alpha = torch.exp(m - m_safe)
-            denom = denom * alpha + p.sum(dim=-1)
-            acc = acc * alpha[..., None] + torch.matmul(p, v_all[:, :, s0:s1].to(problem.compute))
+            p = torch.exp(s.sub_(m_safe[..., None]))
+            if m is None:
+                denom, acc = p.sum(dim=-1), torch.matmul(p, v)
+            else:
+                alpha = torch.exp(m - m_safe)
+                denom = denom * alpha + p.sum(dim=-1)
+                acc = acc * alpha[..., None] + torch.matmul(p, v)
             m = m_new
         has = denom > 0
         out[:, :, t0:t1] = acc / torch.where(has, denom, torch.ones_like(denom))[..., None]
         m_safe = m.masked_fill(~has, 0.0)
         lse[:, :, t0:t1] = torch.where(has, m_safe + torch.log(torch.where(has, denom, torch.ones_like(denom))), m)
+    problem.clear_cache()
     return out, lse
 
 
@@ -173,4 +198,5 @@ def tiled_backward(
                 problem.source.add_grad(ds, t0, s0)
             dq[:, :, t0:t1] += torch.matmul(ds, k).mul_(problem.scale)
             dk[:, :, s0:s1] += torch.matmul(ds.transpose(-2, -1), q).mul_(problem.scale)
+    problem.clear_cache()
     return dq, dk, dv

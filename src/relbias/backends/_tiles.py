@@ -66,6 +66,7 @@ class NativeSource:
         self.base = delta - min_offset
         self.bias_scale = bias_scale
         self.grad = torch.zeros_like(self.values)
+        self.translation_invariant = True  # a tile depends on its size and delta + t0 - s0 only
 
     def tile(self, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
         """(Hb, Tq, Tk) scaled bias of the tile, broadcastable against (B, H, Tq, Tk) scores."""
