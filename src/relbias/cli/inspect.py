@@ -34,6 +34,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "inspect",
         help="show how a bias family (or a saved T5 table) treats distance: bucket map, parameters, plots",
         description=__doc__.split("\n\n")[1],
+        epilog=(
+            "A fresh learnable family shows its initialisation (--seed). Examples: relbias inspect --family alibi "
+            "--num-heads 8 --causal --out-dir plots; relbias inspect --state model.safetensors --stack decoder"
+        ),
     )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--family", help=f"bias family: {', '.join(sorted(FAMILIES))} ('none' = NoPE)")
