@@ -28,14 +28,14 @@ class FIREBias(RelativeBias):
 
     ``i`` is the absolute query position and ``j`` the key position (tokens). ``f_theta`` is an MLP
     ``1 -> hidden_width -> H`` with a ReLU, giving one value per head; ``c > 0`` and the threshold
-    ``L > 0`` (tokens) are learnable scalars shared by the heads (Li et al. 2023, §3.2: the log
+    ``L > 0`` (tokens) are learnable scalars shared by the heads (Li et al. 2023, §3: the log
     transform sharpens short distances; normalising by the query position, "progressive
     interpolation", keeps the MLP's input in [0, 1] at any length; the threshold L keeps short
     prefixes from being stretched). Because the bias reads the query position, not only ``i - j``,
     ``offset_only`` is False: :meth:`native` raises and backends call :meth:`pair_values`.
 
     Positivity: ``c = exp(log_c)`` and ``L = exp(log_threshold)``. Defaults c = 0.1, L = 512 tokens and
-    width 32 are those of the authors' public reference code; the MLP starts with PyTorch's default
+    width 32 follow common public implementations of FIRE (the paper leaves them to training); the MLP starts with PyTorch's default
     ``nn.Linear`` initialisation. ``eps`` is added to ``psi(max(L, i))`` so that a threshold shrinking
     towards 0 cannot divide by 0.
 

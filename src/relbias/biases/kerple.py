@@ -1,4 +1,4 @@
-"""KERPLE: kernelized relative positional embedding (Chi et al. 2022, NeurIPS, §4, "Practical choice").
+"""KERPLE: kernelized relative positional embedding (Chi et al. 2022, NeurIPS, §3-4).
 
 Two variants from conditionally positive definite kernels of the distance ``|i - j|``, each with two
 learnable positive scalars per head:
@@ -127,7 +127,7 @@ class _KerpleBias(RelativeBias):
 
 
 class KerpleLogBias(_KerpleBias):
-    """KERPLE, logarithmic variant: ``PE_h(i, j) = -r1_h * log(1 + r2_h * |i - j|)`` (Chi et al. 2022, §4).
+    """KERPLE, logarithmic variant: ``PE_h(i, j) = -r1_h * log(1 + r2_h * |i - j|)`` (Chi et al. 2022, §3-4).
 
     Two learnable scalars per head, r1 (scale) and r2 (how fast the penalty bends), both > 0 through
     ``softplus``. Used with the additive score convention ``(q.k) * scale + PE + Mask`` (the paper adds
@@ -166,7 +166,7 @@ class KerpleLogBias(_KerpleBias):
 
 
 class KerplePowerBias(_KerpleBias):
-    """KERPLE, power variant: ``PE_h(i, j) = -r1_h * |i - j| ** r2_h`` (Chi et al. 2022, §4).
+    """KERPLE, power variant: ``PE_h(i, j) = -r1_h * |i - j| ** r2_h`` (Chi et al. 2022, §3-4).
 
     Two learnable scalars per head: r1 > 0 (``softplus``) and the exponent 0 < r2 < 2
     (``2 * sigmoid``; the paper allows r2 = 2, which this parametrisation approaches but never reaches).
