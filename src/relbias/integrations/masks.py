@@ -1,0 +1,85 @@
+"""Hugging Face 4D attention masks turned into what :func:`relbias.attention` takes.
+
+transformers builds one mask per stack (``masking_utils.create_bidirectional_mask`` / ``create_causal_mask``) of
+shape (B, 1, Lq, Lk): bool (True = may attend) for "sdpa", additive float (0 or ``finfo(dtype).min``) for "eager",
+or None when there is nothing to mask. Most such masks are a key padding mask, optionally combined with the causal
+rule; relbias takes that as a (B, 1, 1, Lk) bool mask plus ``is_causal``, which a memory-efficient backend can read
+without a (Lq, Lk) tensor. Anything else is passed on whole, as an exact mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..positions import resolve_alignment
+
+__all__ = ["relbias_mask_from_hf"]
+
+
+def relbias_mask_from_hf(
+    mask: torch.Tensor | None, *, is_causal: bool, query_start: int = 0
+) -> tuple[torch.Tensor | None, bool]:
+    """Convert a transformers attention mask into ``(mask, is_causal)`` for :func:`relbias.attention`.
+
+    Args:
+        mask: None; bool (B, 1, Lq, Lk), True = may attend; or float (B, 1, Lq, Lk), additive, where values
+            ``<= finfo(dtype).min / 2`` (transformers writes ``finfo(dtype).min``) or -inf hide a key.
+        is_causal: whether the attention is causal (decoder self-attention). For a causal attention the mask is
+            expected to contain the causal rule already, as transformers builds it.
+        query_start: absolute position (tokens) of the first query, keys starting at 0: the number of tokens
+            already in the cache (transformers' ``past_seen_tokens``).
+
+    Returns:
+        ``(mask, is_causal)``:
+
+        * ``(None, is_causal)`` when the mask hides nothing beyond the causal rule;
+        * ``(key_padding, is_causal)`` with ``key_padding`` bool (B, 1, 1, Lk) when the mask is exactly a key padding
+          mask (bidirectional) or a key padding mask and the causal rule for queries at ``query_start ...``;
+        * otherwise ``(exact, False)``: a bool (B, 1, Lq, Lk) mask, or, for a float mask with other finite values, the
+          float mask with hidden entries set to -inf.
+
+        A hidden key gets exactly zero weight either way. A query row with no visible key returns zeros in relbias,
+        where transformers' finite fill returns the mean of the values (such rows are padding).
+
+    Raises:
+        TypeError: a mask that is not a tensor (e.g. a flex-attention ``BlockMask``) or of an integer dtype.
+        ValueError: a mask that is not 4-D.
+    """
+    if mask is None:
+        return None, is_causal
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(
+            f"cannot convert a {type(mask).__name__} attention mask; relbias patches models whose attention "
+            f"implementation is 'sdpa' or 'eager' (bool or additive float 4D masks)"
+        )
+    if mask.dim() != 4:
+        raise ValueError(f"expected a 4D attention mask (batch, 1, query_len, key_len), got shape {tuple(mask.shape)}")
+    if mask.is_floating_point():
+        hidden = mask <= torch.finfo(mask.dtype).min / 2  # also true for -inf
+        if bool(mask.masked_fill(hidden, 0.0).any()):  # finite values other than 0: a real additive mask
+            return mask.masked_fill(hidden, float("-inf")), False
+        visible = ~hidden
+    elif mask.dtype == torch.bool:
+        visible = mask
+    else:
+        raise TypeError(f"an attention mask must be bool or float, got {mask.dtype}")
+    if visible.shape[1] != 1:
+        return visible, False
+
+    query_len, key_len = visible.shape[-2:]
+    if not is_causal:
+        # Every query sees the same keys exactly when, per key, "all queries" equals "any query".
+        key_padding = visible.any(dim=2, keepdim=True)  # (B, 1, 1, Lk)
+        if not torch.equal(visible.all(dim=2, keepdim=True), key_padding):
+            return visible, False
+        return (None if bool(key_padding.all()) else key_padding), False
+
+    causal = resolve_alignment(query_len, key_len, query_start=query_start).offsets(visible.device) >= 0  # (Lq, Lk)
+    key_padding = visible.any(dim=2, keepdim=True)  # (B, 1, 1, Lk); keys no query may see are hidden anyway
+    if not torch.equal(visible, causal & key_padding):
+        return visible, False
+    # Keys after the last query are hidden by the causal rule; only the others decide whether padding remains.
+    last_visible_key = min(key_len, query_start + query_len)
+    if bool(key_padding[..., : max(last_visible_key, 0)].all()):
+        return None, True
+    return key_padding, True

@@ -1,0 +1,329 @@
+"""Run Hugging Face T5-family models (T5, mT5, Flan-T5, UMT5) with relbias attention.
+
+``patch_t5(model)`` makes the self-attention of every encoder and decoder layer compute
+``softmax((q . k) + u_{b(i-j)} + Mask) v`` (T5's unscaled scores, Raffel et al. 2020, JMLR 21(140), §2.1) with
+:func:`relbias.attention`, reading the model's own ``relative_attention_bias`` table through a
+:class:`relbias.T5Bias` that shares its parameter. ``unpatch_t5(model)`` undoes it exactly.
+
+How (transformers >= 5.24, < 6): each T5 attention layer asks ``compute_bias(query_length, key_length, device,
+past_seen_tokens)`` for a (1, H, Lq, Lk) bias, hands it to the next layers, and calls the attention function that
+``config._attn_implementation`` names. The patch
+
+* replaces ``compute_bias`` on the layers that own a table by one returning a :class:`T5PositionBias` (the
+  ``T5Bias`` module and the positions) instead of a tensor; transformers passes it between layers as it passes
+  ``position_bias``, so no (1, H, Lq, Lk) bias is built by this path;
+* points the self-attention layers at a copy of their stack's config whose ``_attn_implementation`` is
+  ``"relbias_t5"``, an attention function registered with transformers' ``AttentionInterface``; it converts the
+  stack's 4D mask (:func:`relbias.integrations.masks.relbias_mask_from_hf`) and calls :func:`relbias.attention`.
+
+Projections, the KV cache (``EncoderDecoderCache``, ``past_seen_tokens``), masks' construction, cross-attention
+(which has no position bias), feed-forward and generation stay transformers' own code. The model's parameters and
+``state_dict`` are unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .. import functional
+from ..backends import BACKENDS
+from ..biases.t5 import T5Bias
+from ..functional import attention
+from .loading import self_attention_modules, t5_biases_from_model
+from .masks import relbias_mask_from_hf
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "SUPPORTED_TRANSFORMERS",
+    "T5PositionBias",
+    "check_transformers_version",
+    "is_patched",
+    "relbias_t5_attention",
+    "patch_t5",
+    "unpatch_t5",
+]
+
+#: Range of transformers versions the patch supports, as a pip specifier: the attention-interface / ``cache`` /
+#: ``compute_bias(..., past_seen_tokens)`` layout of ``modeling_t5``. Tested with 5.24.0.
+SUPPORTED_TRANSFORMERS = ">=5.24,<6"
+#: Name of the attention function registered with transformers' ``AttentionInterface``.
+ATTN_IMPLEMENTATION = "relbias_t5"
+
+_MIN_VERSION, _MAX_VERSION = (5, 24), (6, 0)
+_FAMILIES = {  # modeling module -> (attention class, supported model classes)
+    "t5": ("T5Attention", ("T5Model", "T5ForConditionalGeneration", "T5EncoderModel")),
+    "mt5": ("MT5Attention", ("MT5Model", "MT5ForConditionalGeneration", "MT5EncoderModel")),
+    "umt5": ("UMT5Attention", ("UMT5Model", "UMT5ForConditionalGeneration", "UMT5EncoderModel")),
+}
+_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+_STATE_ATTR = "_relbias_t5_patch"
+
+
+def check_transformers_version():
+    """Import transformers and check that its version is in :data:`SUPPORTED_TRANSFORMERS`.
+
+    Returns:
+        the ``transformers`` module.
+
+    Raises:
+        ImportError: transformers is not installed (``pip install 'relbias[hf]'``).
+        RuntimeError: the installed version is outside the supported range; the message names both.
+    """
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            f"relbias.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS}: pip install 'relbias[hf]'"
+        ) from exc
+    from packaging.version import Version  # a dependency of transformers
+
+    version = Version(transformers.__version__)
+    if not _MIN_VERSION <= version.release[:2] < _MAX_VERSION:
+        raise RuntimeError(
+            f"transformers {transformers.__version__} is installed, but relbias patches T5 models for transformers"
+            f"{SUPPORTED_TRANSFORMERS} only (its T5 attention layout differs); install a supported version"
+        )
+    return transformers
+
+
+@dataclass
+class T5PositionBias:
+    """What a patched T5 layer passes where transformers passes its (1, H, Lq, Lk) ``position_bias`` tensor.
+
+    Attributes:
+        bias: the :class:`relbias.T5Bias` of the layer (T5/mT5: the stack's first layer's, shared by all layers).
+        query_len: Lq, tokens.
+        key_len: Lk, tokens (cache included).
+        query_start: absolute position of the first query, tokens: transformers' ``past_seen_tokens``; keys start at 0.
+        backend: relbias backend name, or None for :func:`relbias.attention`'s default (``"auto"``, which picks a
+            backend per call, where relbias has the dispatcher).
+    """
+
+    bias: T5Bias
+    query_len: int
+    key_len: int
+    query_start: int
+    backend: str | None = None
+    _mask_cache: list = field(default_factory=list, repr=False)  # [(hf_mask, is_causal, converted)] shared by the stack's layers
+
+    def relbias_mask(self, hf_mask: torch.Tensor | None, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
+        """:func:`relbias_mask_from_hf` of the stack's mask, converted once per forward and reused by every layer."""
+        for cached_mask, cached_causal, converted in self._mask_cache:
+            if cached_mask is hf_mask and cached_causal == is_causal:
+                return converted
+        converted = relbias_mask_from_hf(hf_mask, is_causal=is_causal, query_start=self.query_start)
+        self._mask_cache[:] = [(hf_mask, is_causal, converted)]
+        return converted
+
+
+@dataclass
+class _PatchState:
+    """Kept on a patched model (attribute ``_relbias_t5_patch``) so that :func:`unpatch_t5` can restore it."""
+
+    backend: str | None
+    configs: list  # [(attention module, its original config)]
+    hooked: list  # attention modules given an instance-level compute_bias
+
+
+def _backend_names() -> set[str]:
+    """Names :func:`relbias.attention` accepts now: the registered backends and its default ("auto" once it exists)."""
+    return set(BACKENDS) | {inspect.signature(functional.attention).parameters["backend"].default}
+
+
+def _compute_bias(attention_module: nn.Module, bias: T5Bias, state: _PatchState, query_length, key_length,
+                  device=None, past_seen_tokens=0) -> T5PositionBias:
+    """Replacement of ``T5Attention.compute_bias``: the bias module and positions, no tensor."""
+    table = attention_module.relative_attention_bias.weight
+    if bias.weight is not table:  # the model's parameter was replaced (e.g. load_state_dict(assign=True))
+        bias.weight = table
+    return T5PositionBias(
+        bias, int(query_length), int(key_length), query_start=int(past_seen_tokens), backend=state.backend
+    )
+
+
+def relbias_t5_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    position_bias: T5PositionBias | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as ``"relbias_t5"``: T5 self-attention through :func:`relbias.attention`.
+
+    Called by transformers' T5 attention layers of a patched model; not meant to be selected with
+    ``attn_implementation=`` directly.
+
+    Args:
+        module: the T5 attention layer (``is_causal`` tells decoder self-attention).
+        query: (B, H, Lq, D); key: (B, H, Lk, D); value: (B, H, Lk, D), the layer's projections (cache included).
+        attention_mask: the stack's 4D mask (bool or additive float) or None.
+        dropout: attention-probability dropout; must be 0 or the module in eval mode.
+        scaling: must be 1.0 or None (T5 does not scale scores).
+        position_bias: the :class:`T5PositionBias` made by the patched ``compute_bias``.
+
+    Returns:
+        (output (B, Lq, H, D) contiguous, None): no attention weights are formed.
+
+    Raises:
+        TypeError: ``position_bias`` is not a :class:`T5PositionBias` (the layer is not patched by :func:`patch_t5`),
+            or a mask relbias cannot read.
+        ValueError: lengths that disagree with ``position_bias``, or a scale other than 1.
+        NotImplementedError: attention dropout in training mode.
+    """
+    if not isinstance(position_bias, T5PositionBias):
+        raise TypeError(
+            f"the '{ATTN_IMPLEMENTATION}' attention needs the relbias position bias that patch_t5 installs, got "
+            f"{type(position_bias).__name__}; use relbias.integrations.transformers.patch_t5(model) rather than "
+            f"attn_implementation='{ATTN_IMPLEMENTATION}'"
+        )
+    if module.training and dropout > 0:
+        raise NotImplementedError(
+            f"relbias attention has no attention-probability dropout, but the model is in training mode with "
+            f"dropout_rate={dropout}; call model.eval(), set config.dropout_rate=0, or unpatch_t5(model) to train"
+        )
+    if scaling not in (None, 1.0):
+        raise ValueError(f"T5 attention is unscaled; got scaling={scaling}")
+    if (query.shape[2], key.shape[2]) != (position_bias.query_len, position_bias.key_len):
+        raise ValueError(
+            f"the position bias was made for query_len={position_bias.query_len}, key_len={position_bias.key_len} "
+            f"but this layer has {query.shape[2]}, {key.shape[2]}"
+        )
+    if kwargs.get("output_attentions"):
+        warnings.warn("a relbias-patched T5 model does not return attention weights", stacklevel=2)
+    mask, is_causal = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
+    # No backend given: relbias.attention's own default ("auto" where relbias has the dispatcher).
+    backend = {} if position_bias.backend is None else {"backend": position_bias.backend}
+    out = attention(
+        query, key, value,
+        bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
+        query_start=position_bias.query_start, key_start=0, **backend,
+    )  # (B, H, Lq, D)
+    return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
+
+
+def _family(model: nn.Module) -> tuple[str, type]:
+    """The modeling family of a supported model class and its attention class."""
+    import importlib
+
+    for family, (attention_name, model_names) in _FAMILIES.items():
+        modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+        if isinstance(model, tuple(getattr(modeling, name) for name in model_names)):
+            return family, getattr(modeling, attention_name)
+    supported = ", ".join(name for _, names in _FAMILIES.values() for name in names)
+    raise TypeError(f"patch_t5 does not support {type(model).__name__}; supported model classes: {supported}")
+
+
+def _check_layout(attention_cls: type) -> None:
+    """The hook replaces compute_bias(query_length, key_length, device, past_seen_tokens): it must have that form."""
+    params = list(inspect.signature(attention_cls.compute_bias).parameters)
+    if params[1:] != ["query_length", "key_length", "device", "past_seen_tokens"]:
+        raise RuntimeError(
+            f"{attention_cls.__name__}.compute_bias has parameters {params[1:]}, not the (query_length, key_length, "
+            f"device, past_seen_tokens) this patch was written for; use transformers{SUPPORTED_TRANSFORMERS}"
+        )
+
+
+def is_patched(model: nn.Module) -> bool:
+    """True when :func:`patch_t5` has patched ``model`` and :func:`unpatch_t5` has not undone it."""
+    return isinstance(getattr(model, _STATE_ATTR, None), _PatchState)
+
+
+def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+    """Make a transformers T5-family model compute its self-attention with :func:`relbias.attention`.
+
+    Outputs equal the unpatched model's up to float rounding (fp32: max abs difference <= 1e-5 in the tests) for the
+    encoder, the decoder with and without a cache, generation, padding masks and batches; cross-attention is left
+    as it is. Score convention "t5": ``(q . k) + u_{b(i-j)} + Mask``, no scaling (Raffel et al. 2020, §2.1).
+    Differences: a query with no visible key (a padded position under left padding) returns zeros where
+    transformers returns the mean of the values; attention weights are not returned (``output_attentions``);
+    attention dropout is not supported (training mode with ``dropout_rate > 0`` raises at the forward).
+
+    Args:
+        model: a transformers ``T5Model``, ``T5ForConditionalGeneration``, ``T5EncoderModel`` or the ``MT5...`` /
+            ``UMT5...`` equivalent, loaded with ``attn_implementation`` "sdpa" (the default) or "eager". Patched in
+            place; the same model is returned.
+        backend: relbias backend for every self-attention layer: ``"auto"`` or a key of
+            ``relbias.backends.BACKENDS``; default None: :func:`relbias.attention`'s default, read at each call
+            (``"auto"``: the dispatcher picks by device, dtype, grad mode, mask and length).
+
+    Returns:
+        ``model``, patched.
+
+    Raises:
+        ImportError: transformers is not installed.
+        RuntimeError: a transformers version outside :data:`SUPPORTED_TRANSFORMERS`, or a T5 attention layout this
+            patch does not know.
+        TypeError: an unsupported model class.
+        ValueError: the model is already patched; an attention implementation other than "sdpa" / "eager"; an
+            unknown backend.
+    """
+    check_transformers_version()
+    from transformers.modeling_utils import AttentionInterface
+
+    _, attention_cls = _family(model)
+    _check_layout(attention_cls)
+    if is_patched(model):
+        raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_t5(model) first")
+    if backend is not None and backend not in _backend_names():
+        raise ValueError(f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)")
+
+    stacks = self_attention_modules(model)
+    for name, attentions in stacks.items():
+        implementation = getattr(model, name).config._attn_implementation
+        if implementation not in _MASK_IMPLEMENTATIONS:
+            raise ValueError(
+                f"{name} uses attn_implementation={implementation!r}; patch_t5 reads the masks of "
+                f"{_MASK_IMPLEMENTATIONS}: load the model with attn_implementation='sdpa'"
+            )
+        for layer, module in enumerate(attentions):
+            if type(module) is not attention_cls:
+                raise TypeError(f"{name} layer {layer} is a {type(module).__name__}, expected {attention_cls.__name__}")
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, relbias_t5_attention)
+    biases = t5_biases_from_model(model, share_weights=True)
+    state = _PatchState(backend=backend, configs=[], hooked=[])
+    for name, attentions in stacks.items():
+        patched_config = copy.copy(getattr(model, name).config)
+        patched_config._attn_implementation = ATTN_IMPLEMENTATION
+        for module, bias in zip(attentions, biases.stack(name)):
+            state.configs.append((module, module.config))
+            module.config = patched_config
+            if module.has_relative_attention_bias:
+                module.compute_bias = functools.partial(_compute_bias, module, bias, state)
+                state.hooked.append(module)
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def unpatch_t5(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_t5`: restore every attention layer's config and ``compute_bias`` exactly.
+
+    Args:
+        model: a model patched by :func:`patch_t5`.
+
+    Returns:
+        ``model``, computing attention with transformers' own code again.
+
+    Raises:
+        ValueError: the model is not patched.
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if not isinstance(state, _PatchState):
+        raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_t5)")
+    for module, config in state.configs:
+        module.config = config
+    for module in state.hooked:
+        del module.compute_bias  # the instance attribute; the class method shows through again
+    delattr(model, _STATE_ATTR)
+    return model
