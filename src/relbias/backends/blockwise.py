@@ -21,7 +21,11 @@ from ..positions import Alignment
 from ._tiled import TileProblem, tiled_backward, tiled_forward
 from ._tiles import NativeSource, PairSource
 
-__all__ = ["blockwise_attention", "make_source"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "blockwise_attention", "make_source"]
+
+#: Default tile: queries x keys per step (tokens). Peak scratch is about 4 such float32 tiles x B x H.
+BLOCK_Q = 256
+BLOCK_K = 1024
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -104,14 +108,15 @@ def blockwise_attention(
     scale: float,
     convention: str,
     alignment: Alignment,
-    block_q: int = 256,
-    block_k: int = 1024,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> torch.Tensor:
     """Memory-efficient attention with a relative bias, tile by tile. Arguments are validated by the caller.
 
     Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
     ``query``; formula and conventions as :func:`relbias.attention`. ``block_q`` / ``block_k``: tile sizes
-    (tokens). Peak extra memory: one (B, H, block_q, block_k) float32 tile and O(B·H·L·D) accumulators.
+    (tokens), default :data:`BLOCK_Q` / :data:`BLOCK_K`. Peak extra memory: a few (B, H, block_q, block_k)
+    float32 tiles and O(B·H·L·D) accumulators.
 
     Raises:
         TypeError: ``bias`` is a tensor (use the reference backend).
@@ -122,6 +127,6 @@ def blockwise_attention(
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     problem = TileProblem(
         query, key, value, scale, source, mask, is_causal, alignment.query_start - alignment.key_start,
-        block_q=block_q, block_k=block_k, compute=compute,
+        block_q=block_q or BLOCK_Q, block_k=block_k or BLOCK_K, compute=compute,
     )
     return _BlockwiseFunction.apply(query, key, value, problem, kind, *inputs)

@@ -33,7 +33,10 @@ from ._tiled import TileProblem, tiled_backward, tiled_forward
 from ._tiles import NativeSource
 from .blockwise import compute_dtype
 
-__all__ = ["far_distance", "far_parts", "structured_attention"]
+__all__ = ["BLOCK_Q", "far_distance", "far_parts", "structured_attention"]
+
+#: Default query rows per band tile (tokens); a band tile spans BLOCK_Q + 2T - 2 keys.
+BLOCK_Q = 128
 
 _NEG_INF = float("-inf")
 
@@ -182,13 +185,13 @@ def structured_attention(
     scale: float,
     convention: str,
     alignment: Alignment,
-    block_q: int = 128,
+    block_q: int | None = None,
 ) -> torch.Tensor:
     """Exact attention with a far-constant bias: fused bias-free far parts + a tiled near band, merged by
     log-sum-exp. Arguments are validated by the caller; see :func:`relbias.attention` for the formula.
 
     Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
-    ``query``. ``block_q``: query rows per band tile (tokens).
+    ``query``. ``block_q``: query rows per band tile (tokens), default :data:`BLOCK_Q`.
 
     Raises:
         ValueError: ``mask`` is given, or ``bias`` has no far constant (see :func:`far_distance`); the
@@ -200,6 +203,7 @@ def structured_attention(
     if distance is None:
         raise ValueError(f"{type(bias).__name__} is not constant beyond a distance; the structured backend needs that")
     compute = compute_dtype(query.dtype)
+    block_q = block_q or BLOCK_Q
     native = bias.native(
         alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start,
         device=query.device,
