@@ -1,0 +1,165 @@
+"""Benchmark: a t5-small-shaped transformers encoder, unpatched vs patched with relbias (``patch_t5``).
+
+Model: ``T5EncoderModel`` from a config with t5-small's shape (d_model 512, 8 heads, d_kv 64, 6 layers, d_ff 2048,
+ReLU feed-forward, 32 buckets, max_distance 128, vocab 32128), random weights (seed 0), float32, eval mode, no
+gradients; input: random token ids (batch, length), no padding. The unpatched model uses transformers' default
+attention ("sdpa", whose T5 path builds a (1, 8, L, L) bias and passes it as SDPA's float mask).
+
+Method. Every (length, variant) runs in a fresh Python process (``--child``), so that one configuration's memory
+cannot hide in another's allocator pools. In that process, after the model and the input exist: garbage is
+collected, the kernel's peak-RSS counter is reset (``echo 5 > /proc/self/clear_refs``), the resident size is read
+(``VmRSS``), one forward runs, and the new peak (``VmHWM``) is read: *extra memory* = peak - resident before, MiB
+(the first forward, so it includes one-time allocations such as thread pools, alike for both variants). Time: then
+``--repeats`` more forwards, wall-clock, the median in ms. Ratios (unpatched / patched) are printed per length.
+Linux only (``/proc``). The machine may be shared: other processes' load inflates times (reported as the load
+average before and after), not the memory figures.
+
+Usage::
+
+    python benchmarks/bench_hf_t5.py                         # lengths 512 1024 2048 4096
+    python benchmarks/bench_hf_t5.py --lengths 4096 8192 --repeats 2 --backend auto
+
+Goal (issue 6): at 4096 tokens the patched model >= 2x faster and >= 5x less extra memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+MIB = 1024 * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", handle.read(), re.M).group(1))
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def run_child(args: argparse.Namespace) -> dict:
+    """One configuration in this process: build, measure peak memory of one forward, then time ``repeats`` more."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+    import transformers
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = transformers.T5Config(
+        vocab_size=32128, d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8,
+        relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="relu",
+        dropout_rate=0.0, is_encoder_decoder=False, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.T5EncoderModel._from_config(config, attn_implementation="sdpa").eval()
+    backend_used = None
+    if args.variant == "patched":
+        from relbias.integrations.transformers import patch_t5
+
+        patch_t5(model, backend=args.backend)
+        backend_used = _backend_choice(model, args)
+    input_ids = torch.randint(0, config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(1))
+
+    with torch.inference_mode():
+        gc.collect()
+        _reset_peak()
+        before = _status_kib("VmRSS")
+        start = time.perf_counter()
+        model(input_ids)
+        first_ms = (time.perf_counter() - start) * 1e3
+        peak = _status_kib("VmHWM")
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            model(input_ids)
+            times.append((time.perf_counter() - start) * 1e3)
+    return {
+        "variant": args.variant, "length": args.length, "batch": args.batch, "backend": backend_used,
+        "extra_mib": (peak - before) / 1024, "first_ms": first_ms, "median_ms": statistics.median(times),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _backend_choice(model, args) -> str:
+    """Which relbias backend the encoder's attention calls run (``relbias.explain_backend`` where it exists)."""
+    import torch
+    import relbias
+
+    if args.backend not in (None, "auto"):
+        return args.backend
+    explain = getattr(relbias, "explain_backend", None)
+    if explain is None:
+        return "reference (relbias' default; no dispatcher)"
+    q = torch.empty(args.batch, 8, args.length, 64)
+    from relbias.integrations import t5_biases_from_model
+
+    bias = t5_biases_from_model(model).encoder[0]
+    name, reason = explain(q, q, q, bias=bias, backend="auto")
+    return f"auto -> {name}"
+
+
+def _load_average() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
+                        help="input lengths in tokens (default 512 1024 2048 4096; 8192 needs ~6 GiB unpatched)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards after the memory run (default 3)")
+    parser.add_argument("--backend", default=None,
+                        help="relbias backend for the patched model (default: relbias.attention's default, 'auto')")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"], choices=["unpatched", "patched"])
+    parser.add_argument("--json", help="also write the raw results to this file")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="patched", help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, default=512, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps(run_child(args)))
+        return
+
+    print(f"t5-small encoder (random weights), batch {args.batch}, float32, CPU; load average before: {_load_average()}")
+    results = []
+    for length in args.lengths:
+        row = {}
+        for variant in args.variants:
+            command = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant,
+                       "--length", str(length), "--batch", str(args.batch), "--repeats", str(args.repeats),
+                       "--threads", str(args.threads)]
+            if args.backend:
+                command += ["--backend", args.backend]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                print(f"  {variant} at {length} failed (exit {done.returncode}): {done.stderr.strip()[-400:]}")
+                continue
+            row[variant] = json.loads(done.stdout.strip().splitlines()[-1])
+            results.append(row[variant])
+            r = row[variant]
+            print(f"  L={length:5d} {variant:9s} median {r['median_ms']:9.1f} ms (first {r['first_ms']:9.1f} ms)  "
+                  f"extra {r['extra_mib']:8.1f} MiB  threads {r['threads']}  {r['backend'] or ''}")
+        if len(row) == 2:
+            plain, patched = row["unpatched"], row["patched"]
+            speed = plain["median_ms"] / patched["median_ms"]
+            memory = plain["extra_mib"] / max(patched["extra_mib"], 1e-9)
+            print(f"  L={length:5d} ratio     {speed:6.2f}x faster, {memory:6.2f}x less extra memory (unpatched / patched)")
+    print(f"load average after: {_load_average()}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(results, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
