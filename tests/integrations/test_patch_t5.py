@@ -73,6 +73,23 @@ def test_seq2seq_forward_with_padding(hf, family, attn_implementation):
     close(got.logits, want.logits)
 
 
+def test_left_padded_decoder_matches_at_real_tokens(hf):
+    """A left-padded decoder row's first queries see no key: relbias gives them zeros, transformers the mean of
+    the values; every real token's output is the same."""
+    patched, plain = patched_and_plain(hf, "t5")
+    input_ids, attention_mask = hf.batch(length=40)
+    decoder_ids, _ = hf.batch(length=20, seed=2)
+    decoder_mask = torch.ones_like(decoder_ids)
+    decoder_mask[1, :6] = 0
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_ids,
+                  decoder_attention_mask=decoder_mask, use_cache=False)
+    with torch.no_grad():
+        got, want = patched(**inputs).logits, plain(**inputs).logits
+    real = decoder_mask.bool()
+    close(got[real], want[real])
+    assert (got[~real] - want[~real]).abs().max() > 1e-3  # the padded rows do differ, as documented
+
+
 @pytest.mark.parametrize("family", ["t5", "umt5"])
 def test_decoder_with_cache_matches_plain_and_full_forward(hf, family):
     """Prefill 25 decoder tokens, then decode 5 one at a time from the cache; compare every step."""
@@ -115,12 +132,15 @@ def test_static_cache_generation(hf):
         assert torch.equal(patched.generate(input_ids, **settings), plain.generate(input_ids, **settings))
 
 
-def test_gradients_match(hf):
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gradients_match(hf, checkpointing):
     patched, plain = patched_and_plain(hf, "t5")
     input_ids, attention_mask = hf.batch(length=24, pad_last=5)
     labels, _ = hf.batch(length=12, seed=4)
     for model in (patched, plain):
         model.train()  # dropout_rate is 0
+        if checkpointing:
+            model.gradient_checkpointing_enable()
         model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
     for (name, got), (_, want) in zip(patched.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)
