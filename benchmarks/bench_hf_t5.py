@@ -10,7 +10,8 @@ cannot hide in another's allocator pools. In that process, after the model and t
 collected, the kernel's peak-RSS counter is reset (``echo 5 > /proc/self/clear_refs``), the resident size is read
 (``VmRSS``), one forward runs, and the new peak (``VmHWM``) is read: *extra memory* = peak - resident before, MiB
 (the first forward, so it includes one-time allocations such as thread pools, alike for both variants). Time: then
-``--repeats`` more forwards, wall-clock, the median in ms. Ratios (unpatched / patched) are printed per length.
+``--repeats`` more forwards, the median wall-clock time and the median process CPU time (all threads; less
+sensitive than wall time to other processes' load), ms. Ratios (unpatched / patched) are printed per length.
 Linux only (``/proc``). The machine may be shared: other processes' load inflates times (reported as the load
 average before and after), not the memory figures.
 
@@ -78,14 +79,16 @@ def run_child(args: argparse.Namespace) -> dict:
         model(input_ids)
         first_ms = (time.perf_counter() - start) * 1e3
         peak = _status_kib("VmHWM")
-        times = []
+        times, cpu_times = [], []
         for _ in range(args.repeats):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             model(input_ids)
             times.append((time.perf_counter() - start) * 1e3)
+            cpu_times.append((time.process_time() - cpu_start) * 1e3)
     return {
         "variant": args.variant, "length": args.length, "batch": args.batch, "backend": backend_used,
         "extra_mib": (peak - before) / 1024, "first_ms": first_ms, "median_ms": statistics.median(times),
+        "cpu_ms": statistics.median(cpu_times),
         "threads": torch.get_num_threads(),
     }
 
@@ -148,13 +151,16 @@ def main(argv: list[str] | None = None) -> None:
             row[variant] = json.loads(done.stdout.strip().splitlines()[-1])
             results.append(row[variant])
             r = row[variant]
-            print(f"  L={length:5d} {variant:9s} median {r['median_ms']:9.1f} ms (first {r['first_ms']:9.1f} ms)  "
-                  f"extra {r['extra_mib']:8.1f} MiB  threads {r['threads']}  {r['backend'] or ''}")
+            print(f"  L={length:5d} {variant:9s} median {r['median_ms']:9.1f} ms wall, {r['cpu_ms']:9.1f} ms CPU "
+                  f"(first {r['first_ms']:9.1f} ms)  extra {r['extra_mib']:8.1f} MiB  threads {r['threads']}  "
+                  f"{r['backend'] or ''}")
         if len(row) == 2:
             plain, patched = row["unpatched"], row["patched"]
             speed = plain["median_ms"] / patched["median_ms"]
+            cpu = plain["cpu_ms"] / patched["cpu_ms"]
             memory = plain["extra_mib"] / max(patched["extra_mib"], 1e-9)
-            print(f"  L={length:5d} ratio     {speed:6.2f}x faster, {memory:6.2f}x less extra memory (unpatched / patched)")
+            print(f"  L={length:5d} ratio     {speed:6.2f}x faster (wall), {cpu:6.2f}x (CPU time), "
+                  f"{memory:6.2f}x less extra memory (unpatched / patched)")
     print(f"load average after: {_load_average()}")
     if args.json:
         with open(args.json, "w") as handle:
