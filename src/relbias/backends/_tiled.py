@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._band import interior_backward, interior_blocks, interior_forward
 from ._tiles import mask_tile
 
 __all__ = ["TileProblem", "tiled_backward", "tiled_forward"]
@@ -56,6 +57,7 @@ class TileProblem:
     block_k: int = 1024
     compute: torch.dtype = torch.float32
     _cache: dict = field(default_factory=dict, repr=False)
+    _skip: tuple[int, int] = (0, 0)  # query blocks done by the batched interior path
 
     def offset_limits(self) -> tuple[float, float]:
         lo = float("-inf") if self.min_offset is None else self.min_offset
@@ -69,6 +71,8 @@ class TileProblem:
         lq, lk = self.query.shape[2], self.key.shape[2]
         lo, hi = self.offset_limits()
         for t0 in range(0, lq, self.block_q):
+            if self._skip[0] <= t0 // self.block_q < self._skip[1]:
+                continue
             t1 = min(lq, t0 + self.block_q)
             # offset delta + t - s in [lo, hi]  <=>  s in [t + delta - hi, t + delta - lo]
             s_lo = 0 if hi == float("inf") else max(0, int(t0 + self.delta - hi))
@@ -141,6 +145,10 @@ def tiled_forward(problem: TileProblem) -> tuple[torch.Tensor, torch.Tensor]:
     dv = v_all.shape[-1]
     out = torch.zeros(b, h, lq, dv, dtype=problem.compute, device=q_all.device)
     lse = torch.full((b, h, lq), _NEG_INF, dtype=problem.compute, device=q_all.device)
+    first, stop, window = interior_blocks(problem)
+    problem._skip = (first, stop)
+    if stop > first:
+        interior_forward(problem, out, lse, first, stop, window)
     for t0, t1, s_lo, s_hi in problem.query_blocks():
         q = q_all[:, :, t0:t1].to(problem.compute)
         m = denom = acc = None
@@ -185,6 +193,10 @@ def tiled_backward(
     dk = torch.zeros(k_all.shape, dtype=c, device=q_all.device)
     dv = torch.zeros(v_all.shape, dtype=c, device=q_all.device)
     lse_safe = lse.masked_fill(lse == _NEG_INF, float("inf"))  # rows with no key: p = exp(-inf) = 0
+    first, stop, window = interior_blocks(problem)
+    problem._skip = (first, stop)
+    if stop > first:
+        interior_backward(problem, grad_out, lse_safe, row_dot, dq, dk, dv, first, stop, window)
     for t0, t1, s_lo, s_hi in problem.query_blocks():
         q = q_all[:, :, t0:t1].to(c)
         do = grad_out[:, :, t0:t1]

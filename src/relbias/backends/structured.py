@@ -36,7 +36,7 @@ from .blockwise import compute_dtype
 __all__ = ["BLOCK_Q", "far_distance", "far_parts", "structured_attention"]
 
 #: Default query rows per band tile (tokens); a band tile spans BLOCK_Q + 2T - 2 keys.
-BLOCK_Q = 128
+BLOCK_Q = 64
 
 _NEG_INF = float("-inf")
 
