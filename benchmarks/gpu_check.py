@@ -1,0 +1,212 @@
+"""Check every relbias backend on a GPU: equivalence with the reference, then time and memory vs SDPA.
+
+Self-contained and short (under 3 minutes on one H200). On CUDA it runs, for a few shapes, each backend
+that can run the call (``relbias.explain_backend`` says which cannot and why) against the fp32 reference:
+fp32 and bf16, forward and backward (query, key, value and bias-table gradients), causal and
+bidirectional, Lq != Lk with explicit positions, a padding mask. The bf16 bound is FlashAttention's
+rule: error <= 2 x (error of the reference run in bf16) + atol. Then a short timing / peak-memory
+comparison against bias-free SDPA (``torch.cuda.max_memory_allocated``, MiB above the inputs; time in ms,
+median of a few CUDA-event-timed calls after warm-up).
+
+Usage::
+
+    python benchmarks/gpu_check.py                 # CUDA
+    python benchmarks/gpu_check.py --device cpu    # smoke test of the script itself (small sizes)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import relbias
+import relbias.backends.flex
+from relbias.biases import make_bias
+
+BACKENDS = ("blockwise", "structured", "flex", "auto")
+
+
+def _run(backend, q, k, v, bias, grad_out, **kw):
+    q, k, v = (t.detach().clone().requires_grad_(grad_out is not None) for t in (q, k, v))
+    if bias is not None:
+        bias.zero_grad(set_to_none=True)
+    if grad_out is None:
+        with torch.no_grad():
+            return [relbias.attention(q, k, v, bias=bias, backend=backend, **kw).float()]
+    out = relbias.attention(q, k, v, bias=bias, backend=backend, **kw)
+    (out.float() * grad_out).sum().backward()
+    grads = [q.grad, k.grad, v.grad]
+    if bias is not None:
+        grads += [p.grad if p.grad is not None else torch.zeros_like(p) for p in bias.parameters()]
+    return [out.detach().float()] + [g.float() for g in grads]
+
+
+def _max_err(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def equivalence(device: torch.device, small: bool) -> list[tuple[str, str, str]]:
+    """(case, backend, verdict) rows."""
+    rows = []
+    n = 64 if small else 512
+    cases = [  # name, family, B, H, Lq, Lk, D, kwargs, mask?
+        ("t5 bidi", "t5", 2, 4, n, n, 64, dict(is_causal=False), False),
+        ("t5 causal", "t5", 2, 4, n, n, 64, dict(is_causal=True), False),
+        ("t5 Lq<Lk pos", "t5", 1, 4, n // 2, n + 96, 64, dict(is_causal=True, query_start=n + 40), False),
+        ("offset pad-mask", "offset", 2, 4, n, n, 64, dict(is_causal=False), True),
+        ("alibi causal", "alibi", 1, 4, n, n, 64, dict(is_causal=True), False),
+    ]
+    for name, family, b, h, lq, lk, d, kw, with_mask in cases:
+        bias = make_bias(family, num_heads=h, max_len=max(lq, lk) + 200, bidirectional=not kw["is_causal"]).to(device)
+        with torch.no_grad():
+            for p in bias.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        q, k, v = (torch.randn(b, h, length, d, device=device) for length in (lq, lk, lk))
+        mask = None
+        if with_mask:
+            mask = torch.ones(b, 1, 1, lk, dtype=torch.bool, device=device)
+            mask[0, ..., lk - lk // 4 :] = False
+        kw = dict(kw, mask=mask)
+        grad_out = torch.randn(b, h, lq, d, device=device)
+        exact = _run("reference", q, k, v, bias, grad_out, **kw)
+        plain = _run("reference", q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, grad_out, **kw)
+        for backend in BACKENDS:
+            verdicts = []
+            for dtype in (torch.float32, torch.bfloat16):
+                qq, kk, vv = q.to(dtype), k.to(dtype), v.to(dtype)
+                for with_grad in (False, True):
+                    label = f"{str(dtype)[6:]}{'+bwd' if with_grad else ''}"
+                    try:
+                        got = _run(backend, qq, kk, vv, bias, grad_out if with_grad else None, **kw)
+                    except (ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
+                        verdicts.append(f"{label}: n/a ({str(exc).splitlines()[0][:70]})")
+                        continue
+                    ref = exact if with_grad else exact[:1]
+                    err = _max_err(got, ref)
+                    if dtype == torch.float32:
+                        bound = 1e-4 * max(1.0, max(float(r.abs().max()) for r in ref))
+                    else:
+                        bound = 2 * _max_err(plain if with_grad else plain[:1], ref) + 1e-3 * max(
+                            1.0, max(float(r.abs().max()) for r in ref)
+                        )
+                    verdicts.append(f"{label}: {'ok' if err <= bound else 'FAIL'} {err:.1e}<={bound:.1e}")
+            rows.append((name, backend, "; ".join(verdicts)))
+    return rows
+
+
+def _timed(fn, device, repeats=5):
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def performance(device: torch.device, small: bool, dtype: torch.dtype) -> list[str]:
+    """Lines: N, mode, method, ms, x sdpa, extra MiB, x sdpa."""
+    lines = []
+    sizes = [512, 1024] if small else [4096, 8192]
+    for n in sizes:
+        for causal in (True, False):
+            for mode in ("fwd", "fwdbwd"):
+                bias = relbias.T5Bias(8, bidirectional=not causal).to(device)
+                grad = mode == "fwdbwd"
+                q, k, v = (torch.randn(1, 8, n, 64, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+
+                def step(method):
+                    with torch.set_grad_enabled(grad):
+                        if method == "sdpa":
+                            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+                        elif method == "sdpa_bias":
+                            pe = bias(n, n).to(dtype)
+                            if causal:
+                                pe = pe.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=device).tril(), float("-inf"))
+                            out = F.scaled_dot_product_attention(q, k, v, attn_mask=pe, scale=1.0)
+                        else:
+                            out = relbias.attention(q, k, v, bias=bias, is_causal=causal, backend=method)
+                        if grad:
+                            out.float().sum().backward()
+
+                base = None
+                methods = ("sdpa", "sdpa_bias", "auto", "flex", "blockwise", "structured")
+                for method in methods if device.type == "cuda" else [m for m in methods if m != "flex"]:
+                    try:
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                            torch.cuda.reset_peak_memory_stats()
+                            before = torch.cuda.memory_allocated()
+                        step(method)
+                        mem = (torch.cuda.max_memory_allocated() - before) / 2**20 if device.type == "cuda" else float("nan")
+                        ms = _timed(lambda: step(method), device)
+                    except (ValueError, RuntimeError, TypeError) as exc:
+                        lines.append(f"{n:>5} {'causal' if causal else 'bidi':>6} {mode:>6} {method:>10}  n/a: {str(exc).splitlines()[0][:80]}")
+                        continue
+                    finally:
+                        for t in (q, k, v, *bias.parameters()):
+                            t.grad = None
+                    if base is None:
+                        base = (ms, mem)
+                    lines.append(
+                        f"{n:>5} {'causal' if causal else 'bidi':>6} {mode:>6} {method:>10} {ms:9.2f} {ms / base[0]:6.2f}x "
+                        f"{mem:9.1f} {mem / base[1] if base[1] == base[1] and base[1] > 0 else float('nan'):6.2f}x"
+                    )
+    return lines
+
+
+def main(argv=None) -> int:
+    """Run both checks and print a compact summary; exit status 1 if an equivalence check failed."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (small smoke run)")
+    parser.add_argument("--skip-perf", action="store_true", help="equivalence only")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("gpu_check: CUDA is not available; use --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    small = device.type != "cuda"
+    if small:  # compiling FlexAttention per shape on CPU takes ~20 s each: check its semantics eagerly
+        relbias.backends.flex.COMPILE = False
+    warnings.simplefilter("ignore", UserWarning)
+    torch.manual_seed(0)
+    start = time.time()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"gpu_check: torch {torch.__version__} on {name}")
+    for case, backend in [("t5 4096 causal", "auto")]:
+        q = torch.randn(1, 8, 4096, 64, device=device)
+        print(f"  auto picks for {case}: {relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8, bidirectional=False).to(device), is_causal=True)}")
+    print("\nequivalence vs fp32 reference (fwd, fwd+bwd; fp32 and bf16):")
+    failed = False
+    for case, backend, verdict in equivalence(device, small):
+        failed |= "FAIL" in verdict
+        print(f"  {case:16s} {backend:10s} {verdict}")
+    print(f"  [{time.time() - start:.0f} s]")
+    if not args.skip_perf:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        print(f"\ntime and peak memory vs bias-free SDPA ({str(dtype)[6:]}, B=1 H=8 D=64, T5 bias; ms median, MiB above inputs):")
+        print(f"{'N':>5} {'mask':>6} {'mode':>6} {'method':>10} {'ms':>9} {'x':>7} {'MiB':>9} {'x':>7}")
+        for line in performance(device, small, dtype):
+            print(line)
+    print(f"\ngpu_check: {'FAILED' if failed else 'all equivalence checks passed'} in {time.time() - start:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
