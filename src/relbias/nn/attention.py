@@ -43,7 +43,8 @@ class MultiheadAttention(nn.Module):
             explicitly; memory positions start at 0.
         kdim: feature size of ``memory`` for cross-attention; default ``embed_dim``.
         proj_bias: add a learnable bias in the four linear projections (default True; T5 uses False).
-        backend: a key of ``relbias.backends.BACKENDS`` (default "reference").
+        backend: "auto" (default; :func:`relbias.dispatch.choose_backend` picks per call) or a key of
+            ``relbias.backends.BACKENDS`` ("reference", "blockwise", ...).
         convention: score convention ("seed", "additive", "t5"); default the bias module's own.
         scale: score scale; default that of the convention (``1/sqrt(head_dim)``, or 1 for "t5").
 
@@ -73,7 +74,7 @@ class MultiheadAttention(nn.Module):
         cross_attention: bool = False,
         kdim: int | None = None,
         proj_bias: bool = True,
-        backend: str = "reference",
+        backend: str = "auto",
         convention: str | None = None,
         scale: float | None = None,
     ) -> None:
@@ -89,8 +90,8 @@ class MultiheadAttention(nn.Module):
             raise ValueError(
                 f"position_bias has num_heads={position_bias.num_heads}; expected 1 (shared) or {num_heads}"
             )
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; available: {sorted(BACKENDS)}")
+        if backend != "auto" and backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; available: {['auto', *sorted(BACKENDS)]}")
         if convention is not None and convention not in CONVENTIONS:
             raise ValueError(f"convention must be one of {CONVENTIONS} or None, got {convention!r}")
         if cross_attention and is_causal:

@@ -42,7 +42,7 @@ class ByteLMConfig:
         share_position_bias: one bias module for every layer (as T5) when True (default), one per
             layer when False.
         convention: score convention of every layer; None (default) uses the family's own.
-        backend: attention backend, a key of ``relbias.backends.BACKENDS``. Default "reference".
+        backend: attention backend: "auto" (default) or a key of ``relbias.backends.BACKENDS``.
 
     Raises:
         ValueError: from :meth:`validate` (called by :class:`ByteLM`): an unknown family or backend,
@@ -58,7 +58,7 @@ class ByteLMConfig:
     mlp_ratio: int = 4
     share_position_bias: bool = True
     convention: str | None = None
-    backend: str = "reference"
+    backend: str = "auto"
 
     def validate(self) -> None:
         """Check the fields against the registries as they are now (families may be added at run time).
@@ -68,8 +68,8 @@ class ByteLMConfig:
         """
         if self.position not in FAMILIES:
             raise ValueError(f"unknown position scheme {self.position!r}; registered families: {sorted(FAMILIES)}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {self.backend!r}; available: {sorted(BACKENDS)}")
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(f"unknown backend {self.backend!r}; available: {['auto', *sorted(BACKENDS)]}")
         for name in ("max_len", "embed_dim", "num_heads", "num_layers", "mlp_ratio"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

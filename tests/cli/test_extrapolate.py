@@ -1,0 +1,90 @@
+"""``relbias extrapolate`` end to end on tiny corpora, its errors, and --resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from relbias.biases import FAMILIES
+from relbias.cli.main import main
+
+TINY = ["--train-len", "8", "--steps", "3", "--batch-size", "4", "--embed-dim", "16", "--num-heads", "2",
+        "--num-layers", "1", "--no-progress", "--threads", "1"]
+SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 60, "utf-8")
+    return path
+
+
+def test_every_registered_family_end_to_end(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert list(results["schemes"]) == list(FAMILIES)  # default: every registered family, in order
+    assert results["config"]["eval_lengths"] == [8, 16, 32, 64]
+    for entry in results["schemes"].values():
+        for scores in entry["eval"].values():
+            assert 0.0 < scores["bpb"] < 9.0  # a barely trained byte model sits near log2(256) = 8
+    assert "64 (8L)" in printed and "Perplexity per byte" in printed
+    for scheme in FAMILIES:
+        assert f"\n{scheme} " in printed
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out / "results.png").shape[:2] == (420, 640)
+    assert "## Bits per byte" in (out / "results.md").read_text()
+
+
+def test_resume_keeps_finished_schemes(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none", *TINY]) == 0
+    first = json.loads((out / "results.json").read_text())["schemes"]["none"]
+    capsys.readouterr()
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none,t5", "--resume",
+                 *TINY]) == 0
+    printed = capsys.readouterr()
+    assert "from results.json" in printed.out + printed.err
+    results = json.loads((out / "results.json").read_text())
+    assert results["schemes"]["none"] == first and "t5" in results["schemes"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--corpus", "MISSING"], "corpus MISSING does not exist"),
+        (["--corpus", "EMPTY"], "is empty"),
+        (["--train-len", "100000", "--eval-lengths", "100000"], "training length 100000 is longer than the training split"),
+        (["--offset-out-of-range", "error", "--schemes", "offset"],
+         "'offset' cannot be evaluated at length 16 (trained at 8): offset 15 has no parameter"),
+        (["--eval-lengths", "4000"], "held-out split has"),
+        (["--schemes", "rope"], "unknown scheme(s) ['rope']"),
+        (["--set", "t5.num_buckets=1", "--schemes", "t5"], "'num_buckets': 1}: causal T5 buckets need num_buckets >= 2"),
+        (["--set", "alibi.colour=1", "--schemes", "alibi"], "scheme 'alibi' with options {'colour': 1}"),
+    ],
+)
+def test_errors_are_one_clear_line(extra, message, corpus, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("", "utf-8")
+    args = ["extrapolate", "--corpus", str(corpus), "--out", str(tmp_path / "out"), *TINY]
+    args += [str(tmp_path / "missing.txt") if e == "MISSING" else str(tmp_path / "empty.txt") if e == "EMPTY" else e
+             for e in extra]
+    message = message.replace("MISSING", str(tmp_path / "missing.txt"))
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("relbias extrapolate: error: ") and message in err
+    assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt is not present")
+def test_runs_on_tiny_shakespeare(tmp_path):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(SHAKESPEARE), "--out", str(out), "--schemes", "alibi,t5",
+                 "--max-eval-bytes", "2048", *TINY]) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["corpus_bytes"] == SHAKESPEARE.stat().st_size
+    assert results["schemes"]["t5"]["eval_tokens"] == 1984  # 31 x lcm(8, 16, 32, 64): 2048 bytes hold 1984 + 1
