@@ -14,8 +14,8 @@ import torch
 
 __all__ = ["interior_blocks", "interior_forward", "interior_backward"]
 
-#: Scores per chunk (B·H·blocks·block_q·window); 4M float32 scores = 16 MiB per score-sized temporary.
-CHUNK_SCORES = 1 << 22
+#: Scores per chunk (B·H·blocks·block_q·window); 2M float32 scores = 8 MiB per score-sized temporary.
+CHUNK_SCORES = 1 << 21
 
 
 def interior_blocks(problem) -> tuple[int, int, int]:

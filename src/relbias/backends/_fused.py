@@ -59,6 +59,6 @@ def fused_backward(
     kernel forms ``p = exp(scale * q . k - lse)`` and ``D = dO . out`` from what it is given."""
     dtype = query.dtype
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.to(dtype).contiguous(), query, key, value, out.to(dtype).contiguous(), lse.contiguous(),
+        grad_out.to(dtype), query, key, value, out.to(dtype), lse,
         0.0, is_causal, attn_mask=None, scale=scale,
     )

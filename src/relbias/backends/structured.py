@@ -96,20 +96,51 @@ def far_parts(alignment: Alignment, distance: int, is_causal: bool) -> list[tupl
     return parts
 
 
+#: Mirrored ("upper") parts copy their slices of q, k, v; they run this many heads at a time to keep
+#: the copies small (memory: 3 x B x HEAD_GROUP x L x D elements at once).
+HEAD_GROUP = 2
+
+
 def _run_part(q, k, v, mode, scale):
-    if mode == "upper":  # mirror, run top-left causal, mirror back
-        out, lse = fused_forward(q.flip(2), k.flip(2), v.flip(2), is_causal=True, scale=scale)
-        return out.flip(2), lse.flip(2)
-    return fused_forward(q, k, v, is_causal=mode == "lower", scale=scale)
+    """(out (B, H, rows, Dv) input dtype, lse (B, H, rows) float) of one far part."""
+    if mode != "upper":
+        return fused_forward(q, k, v, is_causal=mode == "lower", scale=scale)
+    outs, lses = [], []
+    for h0 in range(0, q.shape[1], HEAD_GROUP):  # mirror, run top-left causal, mirror back
+        heads = slice(h0, h0 + HEAD_GROUP)
+        o, l = fused_forward(q[:, heads].flip(2), k[:, heads].flip(2), v[:, heads].flip(2), is_causal=True, scale=scale)
+        outs.append(o.flip(2))
+        lses.append(l.flip(2))
+    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
 
 
-def _part_backward(do, q, k, v, out, lse, mode, scale):
-    if mode == "upper":
-        grads = fused_backward(
-            do.flip(2), q.flip(2), k.flip(2), v.flip(2), out.flip(2), lse.flip(2), is_causal=True, scale=scale
+def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv):
+    """Add this part's share of the gradients into the (B, H, rows / keys, D) slices dq, dk, dv."""
+    if mode != "upper":
+        gq, gk, gv = fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale)
+        dq += gq
+        dk += gk
+        dv += gv
+        return
+    for h0 in range(0, q.shape[1], HEAD_GROUP):
+        hs = slice(h0, h0 + HEAD_GROUP)
+        gq, gk, gv = fused_backward(
+            do[:, hs].flip(2), q[:, hs].flip(2), k[:, hs].flip(2), v[:, hs].flip(2), out[:, hs].flip(2),
+            lse[:, hs].flip(2), is_causal=True, scale=scale,
         )
-        return tuple(g.flip(2) for g in grads)
-    return fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale)
+        dq[:, hs] += gq.flip(2)
+        dk[:, hs] += gk.flip(2)
+        dv[:, hs] += gv.flip(2)
+
+
+def _merge(out, lse, rows, part_out, part_lse):
+    """Fold a part (out (B, H, r, Dv), lse (B, H, r)) into the running (out, lse) at ``rows``, in place."""
+    old = lse[:, :, rows]
+    new = torch.logaddexp(old, part_lse)
+    safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no key yet in either: weights exp(-inf) = 0
+    target = out[:, :, rows]
+    target.mul_(torch.exp(old - safe)[..., None]).add_(part_out * torch.exp(part_lse - safe)[..., None])
+    lse[:, :, rows] = new
 
 
 class _StructuredFunction(torch.autograd.Function):
@@ -117,23 +148,24 @@ class _StructuredFunction(torch.autograd.Function):
     def forward(ctx, query, key, value, values, problem: TileProblem, parts, const_index, bias_scale):
         compute = problem.compute
         consts = values.detach().to(compute)[:, const_index] * bias_scale  # (Hb, 2): past, future
-        out, lse = tiled_forward(problem)  # the band
-        lse_band = lse.clone()
-        part_stats = []
-        for t0, t1, s0, s1, mode, direction in parts:
+        b, h, lq, _ = query.shape
+        out = torch.zeros(b, h, lq, value.shape[-1], dtype=compute, device=query.device)
+        lse = torch.full((b, h, lq), _NEG_INF, dtype=compute, device=query.device)
+        kept, part_lse = [], []
+        for t0, t1, s0, s1, mode, direction in parts:  # far parts first: nothing else is alive yet
             o_p, l_p = _run_part(query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], mode, problem.scale)
             l_p = l_p.to(compute) + consts[:, direction, None]  # (B, H, rows) + (Hb, 1)
-            lse[:, :, t0:t1] = torch.logaddexp(lse[:, :, t0:t1], l_p)
-            part_stats.append((o_p, l_p))
-        finite = lse > _NEG_INF
-        lse_safe = torch.where(finite, lse, torch.zeros_like(lse))
-        out = out * torch.where(finite, torch.exp(lse_band - lse_safe), torch.zeros_like(lse))[..., None]
-        for (t0, t1, *_), (o_p, l_p) in zip(parts, part_stats):
-            out[:, :, t0:t1] += torch.exp(l_p - lse[:, :, t0:t1])[..., None] * o_p.to(compute)
-        keep = [o for o, _ in part_stats] if values.requires_grad else []
-        ctx.save_for_backward(query, key, value, values, out, lse, *keep, *[l for _, l in part_stats])
+            _merge(out, lse, slice(t0, t1), o_p.to(compute), l_p)
+            part_lse.append(l_p)
+            if values.requires_grad:
+                kept.append(o_p)
+            del o_p
+        out_band, lse_band = tiled_forward(problem)  # the band
+        _merge(out, lse, slice(None), out_band, lse_band)
+        del out_band, lse_band
+        ctx.save_for_backward(query, key, value, values, out, lse, *kept, *part_lse)
         ctx.problem, ctx.parts, ctx.const_index, ctx.bias_scale = problem, parts, const_index, bias_scale
-        ctx.kept, ctx.consts = bool(keep), consts
+        ctx.kept, ctx.consts = bool(kept), consts
         return out.to(query.dtype)
 
     @staticmethod
@@ -155,13 +187,10 @@ class _StructuredFunction(torch.autograd.Function):
             rows_lse = lse[:, :, t0:t1]
             # The kernel forms p = exp(scale q.k - lse): given lse - c_p, p is the global probability.
             kernel_lse = rows_lse - ctx.consts[:, direction, None]
-            gq, gk, gv = _part_backward(
+            _part_backward(
                 do[:, :, t0:t1], query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], out[:, :, t0:t1],
-                kernel_lse, mode, problem.scale,
+                kernel_lse, mode, problem.scale, dq[:, :, t0:t1], dk[:, :, s0:s1], dv[:, :, s0:s1],
             )
-            dq[:, :, t0:t1] += gq.to(compute)
-            dk[:, :, s0:s1] += gk.to(compute)
-            dv[:, :, s0:s1] += gv.to(compute)
             if o_p is not None:
                 per_row = torch.exp(l_p - rows_lse) * ((do[:, :, t0:t1] * o_p.to(compute)).sum(-1) - row_dot[:, :, t0:t1])
                 per_head = per_row.sum(dim=(0, 2))  # (H,)
