@@ -112,17 +112,21 @@ def markdown_report(results: dict) -> str:
         "",
         "## Timings",
         "",
-        "| scheme | parameters | train s | eval s | final train loss (nats) |",
-        "|---|---|---|---|---|",
+        "| scheme | options | parameters | train s | eval s | final train loss (nats) |",
+        "|---|---|---|---|---|---|",
     ]
     for name in results.get("order", sorted(results["schemes"])):
         e = results["schemes"].get(name)
         if e is not None:
             lines.append(
-                f"| {name} | {e['parameters']} | {e['train_seconds']:.1f} | {e['eval_seconds']:.1f} | "
+                f"| {name} | {_options(e.get('position_options', {}))} | {e['parameters']} | {e['train_seconds']:.1f} | {e['eval_seconds']:.1f} | "
                 f"{e['final_train_loss']:.3f} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _options(options: dict) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in options.items()) or "-"
 
 
 def require_matplotlib() -> None:
