@@ -1,0 +1,127 @@
+"""The dispatcher's choices and refusals, the far-constant contract the structured backend relies on, and
+the tile helpers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relbias
+from relbias.backends import _band, structured
+from relbias.backends._tiles import diagonal_sums
+from relbias.biases import FAMILIES, make_bias
+
+
+def _qkv(n=4096, heads=8, requires_grad=False):
+    return [torch.empty(1, heads, n, 64).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def test_auto_picks_structured_for_a_long_t5_block_on_cpu():
+    name, reason = relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), is_causal=False)
+    assert name == "structured" and "far-constant" in reason
+
+
+def test_auto_routes_a_padding_mask_to_blockwise_and_says_why():
+    mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
+    name, reason = relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), mask=mask)
+    assert name == "blockwise" and "mask" in reason
+
+
+def test_auto_routes_a_bias_without_far_constant_to_blockwise():
+    name, reason = relbias.explain_backend(*_qkv(), bias=make_bias("alibi", num_heads=8, max_len=64, bidirectional=False), is_causal=True)
+    assert name == "blockwise" and "not constant beyond a distance" in reason
+
+
+@pytest.mark.skipif("fire" not in FAMILIES, reason="FIRE is not registered")
+def test_auto_routes_a_family_reading_absolute_positions_to_blockwise():
+    bias = make_bias("fire", num_heads=8, max_len=64, bidirectional=False)
+    name, reason = relbias.explain_backend(*_qkv(), bias=bias, is_causal=True)
+    assert name == "blockwise" and "absolute positions" in reason
+
+
+def test_auto_materialises_small_blocks_and_tensor_biases():
+    assert relbias.explain_backend(*_qkv(64), bias=relbias.T5Bias(8))[0] == "reference"
+    name, reason = relbias.explain_backend(*_qkv(), bias=torch.zeros(1, 1, 1, 1).expand(1, 1, 4096, 4096))
+    assert name == "reference" and "tensor" in reason
+
+
+@pytest.mark.parametrize(
+    "backend, kwargs, requires_grad, message",
+    [
+        ("structured", dict(bias=make_bias("alibi", num_heads=8, max_len=8, bidirectional=True)), False, "not constant beyond a distance"),
+        ("structured", dict(bias=relbias.T5Bias(8), mask=torch.ones(1, 1, dtype=torch.bool).expand(4096, 4096)), False, "a mask is given"),
+        ("flex", dict(bias=relbias.T5Bias(8)), True, "no backward on CPU"),
+        ("blockwise", dict(bias=torch.zeros(1, 1).expand(4096, 4096)), False, "already materialised"),
+    ],
+)
+def test_a_named_backend_that_cannot_run_raises_with_the_reason(backend, kwargs, requires_grad, message):
+    q, k, v = _qkv(requires_grad=requires_grad)
+    with pytest.raises(ValueError, match=f"backend '{backend}' cannot run this call: .*{message}"):
+        relbias.explain_backend(q, k, v, backend=backend, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        relbias.attention(q[:, :, :8], k[:, :, :8], v[:, :, :8], backend=backend, **{
+            key: (val[..., :8, :8] if isinstance(val, torch.Tensor) else val) for key, val in kwargs.items()
+        })
+
+
+def test_unknown_backend_lists_auto():
+    with pytest.raises(ValueError, match=r"unknown backend 'fast'; available: \['auto', 'blockwise'"):
+        relbias.explain_backend(*_qkv(8), backend="fast")
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [
+        relbias.T5Bias(2),
+        relbias.T5Bias(2, bidirectional=False),
+        relbias.T5Bias(2, num_buckets=8, max_distance=16),
+        relbias.T5Bias(2, num_buckets=64, max_distance=300, bidirectional=False),
+        relbias.PerOffsetBias(7, num_heads=2, out_of_range="clip", init_std=1.0),
+        relbias.PerOffsetBias(1, num_heads=2, out_of_range="clip", init_std=1.0),
+    ],
+    ids=["t5", "t5-causal", "t5-8-16", "t5-64-300-causal", "offset-clip", "offset-clip-L1"],
+)
+def test_far_constant_distance_is_true(bias):
+    # The structured backend is exact only if every offset beyond T has the value of offset +-T.
+    distance = structured.far_distance(bias)
+    far = torch.arange(distance, distance + 2000)
+    values = bias.offset_values(torch.cat([far, -far]) if bias.bidirectional else far)  # (H, n)
+    past = values[:, : len(far)]
+    assert torch.equal(past, past[:, :1].expand_as(past))
+    if bias.bidirectional:
+        future = values[:, len(far) :]
+        assert torch.equal(future, future[:, :1].expand_as(future))
+
+
+def test_per_offset_without_clipping_has_no_far_constant():
+    assert structured.far_distance(relbias.PerOffsetBias(8)) is None
+    assert relbias.T5Bias(2, bidirectional=False).far_constant_distance() == 113
+    assert relbias.T5Bias(2).far_constant_distance() == 91
+
+
+def test_diagonal_sums_match_a_loop():
+    x = torch.randn(2, 5, 7)
+    got = diagonal_sums(x)
+    for n in range(5 + 7 - 1):
+        want = sum(x[:, t, t - (n - 6)] for t in range(5) if 0 <= t - (n - 6) < 7)
+        torch.testing.assert_close(got[:, n], want)
+
+
+def test_structured_batches_interior_band_blocks(monkeypatch, small_tiles):
+    calls = []
+    original = _band.interior_backward
+
+    def spy(*args, **kwargs):
+        calls.append(args[-3:])  # (first, stop, window)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(_band, "interior_backward", spy)
+    monkeypatch.setattr("relbias.backends._tiled.interior_backward", spy)
+    bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
+    q, k, v = (torch.randn(1, 2, 90, 8, requires_grad=True) for _ in range(3))
+    out = relbias.attention(q, k, v, bias=bias, backend="structured")
+    out.sum().backward()
+    assert calls and calls[0][1] - calls[0][0] >= 2
+    ref_q = q.detach().requires_grad_()
+    relbias.attention(ref_q, k.detach(), v.detach(), bias=bias, backend="reference").sum().backward()
+    torch.testing.assert_close(q.grad, ref_q.grad, rtol=1e-4, atol=1e-5)
