@@ -104,3 +104,17 @@ def test_cache_errors_name_the_problem():
         static.update(torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), 3)
     with pytest.raises(TypeError, match="must be an int"):
         cache.update(k, k, 0.0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_tiled_backend_decodes_like_the_reference_full_forward(family, perturbed_bias):
+    # The tiled path receives the cache's absolute positions too (query_start, key_start).
+    bias = perturbed_bias(family, num_heads=H, max_len=L)
+    reference = MultiheadAttention(E, H, position_bias=bias, is_causal=True, backend="reference")
+    tiled = MultiheadAttention(E, H, position_bias=bias, is_causal=True, backend="blockwise")
+    tiled.load_state_dict(reference.state_dict())
+    x = torch.randn(2, L, E)
+    full = reference(x)
+    cache = StaticKVCache(2, H, L, E // H)
+    out = torch.cat([tiled(x[:, :7], cache=cache)] + [tiled(x[:, t : t + 1], cache=cache) for t in range(7, L)], 1)
+    torch.testing.assert_close(out, full, atol=ATOL, rtol=0)

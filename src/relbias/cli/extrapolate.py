@@ -80,9 +80,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _progress_hook(disabled: bool):
+    """(progress hook, line printer): tqdm bars on stderr, or none with --no-progress (tqdm then optional)."""
     try:
         from tqdm.auto import tqdm
     except ImportError as exc:
+        if disabled:
+            return (lambda iterable, **_: iterable), print
         raise RuntimeError("progress bars need tqdm: pip install 'relbias[cli]' (or pass --no-progress)") from exc
 
     def hook(iterable, *, desc: str = "", total: int | None = None):
@@ -156,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
         )
     except ImportError as exc:
         raise RuntimeError(str(exc)) from exc
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; finished schemes are kept in {args.out / 'results.json'}; rerun with --resume "
+              f"to run only the others", file=sys.stderr)
+        return 130
     finally:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - start

@@ -29,9 +29,11 @@ class Corpus:
 
     @property
     def sha256(self) -> str:
+        """Hex SHA-256 digest of :attr:`data` (64 characters)."""
         return hashlib.sha256(self.data).hexdigest()
 
     def __len__(self) -> int:
+        """Size in bytes (= tokens)."""
         return len(self.data)
 
 
