@@ -70,10 +70,16 @@ class TileProblem:
         """Yield (t0, t1, s_lo, s_hi): each query block and the key range that can be visible to it."""
         lq, lk = self.query.shape[2], self.key.shape[2]
         lo, hi = self.offset_limits()
-        for t0 in range(0, lq, self.block_q):
-            if self._skip[0] <= t0 // self.block_q < self._skip[1]:
+        bq = self.block_q
+        if self._skip[1] > self._skip[0]:  # the rest of a batched band: one block before, one after
+            piece = 4 * bq  # few calls, bounded tile memory
+            starts = [(t0, min(self._skip[0] * bq, t0 + piece)) for t0 in range(0, self._skip[0] * bq, piece)]
+            starts += [(t0, min(lq, t0 + piece)) for t0 in range(self._skip[1] * bq, lq, piece)]
+        else:
+            starts = [(t0, min(lq, t0 + bq)) for t0 in range(0, lq, bq)]
+        for t0, t1 in starts:
+            if t1 <= t0:
                 continue
-            t1 = min(lq, t0 + self.block_q)
             # offset delta + t - s in [lo, hi]  <=>  s in [t + delta - hi, t + delta - lo]
             s_lo = 0 if hi == float("inf") else max(0, int(t0 + self.delta - hi))
             s_hi = lk if lo == float("-inf") else min(lk, int(t1 - 1 + self.delta - lo) + 1)
