@@ -49,6 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per method (minimum reported)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's choice)")
     p.add_argument("--max-scores", type=float, default=2.2e9,
                    help="skip materialising methods (sdpa_bias, eager) above this many B*H*N*N scores")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurement")
@@ -61,6 +62,8 @@ def _inputs(spec: dict):
     from relbias.biases import make_bias
 
     torch.manual_seed(0)
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     dtype = getattr(torch, spec["dtype"])
     grad = spec["mode"] == "fwdbwd"
     shape = (spec["batch"], spec["heads"], spec["n"], spec["head_dim"])
@@ -163,7 +166,7 @@ def measure(args: argparse.Namespace, progress=None) -> list[dict]:
         for causal in causals:
             for mode in modes:
                 spec = dict(n=n, causal=causal, mode=mode, family=args.family, batch=args.batch, heads=args.heads,
-                            head_dim=args.head_dim, dtype=args.dtype)
+                            head_dim=args.head_dim, dtype=args.dtype, threads=args.threads)
                 scores = args.batch * args.heads * n * n
                 run_methods = [m for m in methods if not (m in ("sdpa_bias", "eager") and scores > args.max_scores)]
                 if "flex" in run_methods and mode == "fwdbwd":
@@ -192,6 +195,8 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print the table (and write JSON with ``--json``)."""
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"relbias bench: torch {torch.__version__}, {torch.get_num_threads()} threads, B={args.batch} "
           f"H={args.heads} D={args.head_dim} {args.dtype}, bias {args.family}; load average {os.getloadavg()}")
     header = f"{'N':>5} {'mask':>6} {'mode':>6} {'method':>10} {'ms':>9} {'x sdpa':>7} {'peak MiB':>9} {'x sdpa':>7} {'+MiB':>8} {'x sdpa':>7}"
