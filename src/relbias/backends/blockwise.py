@@ -9,12 +9,14 @@ for backward is O(B·H·L·D). The gradient of the native vector is summed along
 fixed order: bit-identical across runs.
 
 Works on any device and float dtype. Limitations: a bias given as a tensor is not supported (it is
-already materialised; use the reference), and a float mask receives no gradient.
+already materialised; use the reference), a float mask receives no gradient, and there are no
+second-order gradients (the backward is once-differentiable).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
 from ..positions import Alignment
@@ -75,6 +77,7 @@ class _BlockwiseFunction(torch.autograd.Function):
         return out.to(query.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         problem: TileProblem = ctx.problem

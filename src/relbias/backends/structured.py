@@ -25,6 +25,7 @@ log-sum-exp (CPU here).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
 from ..positions import Alignment
@@ -169,6 +170,7 @@ class _StructuredFunction(torch.autograd.Function):
         return out.to(query.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         query, key, value, values, out, lse, *stats = ctx.saved_tensors
         problem: TileProblem = ctx.problem
