@@ -138,15 +138,20 @@ class MultiheadAttention(nn.Module):
             (B, Lq, E) in the dtype of ``query``.
 
         Raises:
-            TypeError: a non-tensor input, a key padding mask that is not bool.
-            ValueError: wrong ranks or feature sizes; memory given to a self-attention layer or missing
+            TypeError: a non-tensor input; a query or memory that is not floating point, or (outside
+                ``torch.autocast``) whose dtype differs from the layer's parameters; a key padding mask
+                that is not bool.
+            ValueError: wrong ranks or feature sizes; a query or memory on another device than the
+                layer's parameters; memory given to a self-attention layer or missing
                 for cross-attention; a key padding mask whose shape is not (B, Lk); a bad cache position;
                 and every error of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot
                 evaluate with clipping off).
         """
-        if not isinstance(query, torch.Tensor) or query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
-            raise ValueError(f"query must be (batch, seq_len, embed_dim={self.embed_dim}), got {shape}")
+        if not isinstance(query, torch.Tensor):
+            raise TypeError(f"query must be a tensor (batch, seq_len, embed_dim={self.embed_dim}), got {type(query).__name__}")
+        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
+            raise ValueError(f"query must be (batch, seq_len, embed_dim={self.embed_dim}), got {tuple(query.shape)}")
+        self._check_like_parameters("query", query)
         start = 0 if cache_position is None and cache is None else cache_position
         if start is None:
             start = cache.length
@@ -177,13 +182,28 @@ class MultiheadAttention(nn.Module):
             return (cache.key[:, :, : cache.length], cache.value[:, :, : cache.length])
         if memory is None:
             raise ValueError("cross-attention needs memory (B, Lm, kdim), or a cache already filled from it")
-        if not isinstance(memory, torch.Tensor) or memory.dim() != 3 or memory.shape[-1] != self.k_proj.in_features:
-            shape = tuple(memory.shape) if isinstance(memory, torch.Tensor) else type(memory).__name__
-            raise ValueError(f"memory must be (batch, memory_len, kdim={self.k_proj.in_features}), got {shape}")
+        if not isinstance(memory, torch.Tensor):
+            raise TypeError(f"memory must be a tensor (batch, memory_len, kdim), got {type(memory).__name__}")
+        if memory.dim() != 3 or memory.shape[-1] != self.k_proj.in_features:
+            raise ValueError(f"memory must be (batch, memory_len, kdim={self.k_proj.in_features}), got {tuple(memory.shape)}")
+        self._check_like_parameters("memory", memory)
         key, value = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
         if cache is not None:
             cache.update(key, value, 0)
         return key, value
+
+    def _check_like_parameters(self, name: str, x: torch.Tensor) -> None:
+        """``x`` must be floating point, on the parameters' device and (outside autocast) of their dtype."""
+        weight = self.q_proj.weight
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+        if x.device != weight.device:
+            raise ValueError(f"{name} is on {x.device} but the layer's parameters are on {weight.device}; move one of them")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"{name} is {x.dtype} but the layer's parameters are {weight.dtype}; convert one of them "
+                f"(e.g. layer.to({x.dtype})) or run under torch.autocast"
+            )
 
     @staticmethod
     def _padding_mask(kpm: torch.Tensor | None, batch: int, key_len: int, device: torch.device) -> torch.Tensor | None:
