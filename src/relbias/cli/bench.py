@@ -37,20 +37,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a length, a count of heads or repeats); a clear error otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:  # also rejects NaN
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``relbias bench`` (shared with benchmarks/bench_attention.py)."""
-    p.add_argument("--n", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths (tokens)")
+    p.add_argument("--n", type=_positive_int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths (tokens)")
     p.add_argument("--causal", choices=["both", "causal", "bidirectional"], default="both")
     p.add_argument("--mode", choices=["both", "fwd", "fwdbwd"], default="both", help="forward, forward+backward")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
     p.add_argument("--family", default="t5", help="bias family (relbias.biases.FAMILIES), default t5")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--heads", type=_positive_int, default=8)
+    p.add_argument("--head-dim", type=_positive_int, default=64)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls per method (minimum reported)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: PyTorch's choice)")
-    p.add_argument("--max-scores", type=float, default=2.2e9,
+    p.add_argument("--repeats", type=_positive_int, default=3, help="timed calls per method (minimum reported)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads (default: PyTorch's choice)")
+    p.add_argument("--max-scores", type=_non_negative_float, default=2.2e9,
                    help="skip materialising methods (sdpa_bias, eager) above this many B*H*N*N scores")
     p.add_argument("--no-memory", action="store_true", help="skip the fresh-process memory measurement")
     p.add_argument("--json", metavar="PATH", help="also write every figure to this JSON file")

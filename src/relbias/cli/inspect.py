@@ -86,7 +86,8 @@ def _read_tensors(path: str, key: str | None) -> dict[str, torch.Tensor]:
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # pickle / zip errors of a file that is not a state_dict
-        raise ValueError(f"could not read {path} as a PyTorch state_dict: {exc}") from None
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"could not read {path} as a PyTorch state_dict: {first_line}") from None
     if isinstance(obj, torch.Tensor):
         obj = {"<tensor>": obj}
     if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):

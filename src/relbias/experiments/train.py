@@ -35,6 +35,10 @@ class TrainConfig:
         weight_decay: AdamW weight decay on matrices (not on biases, norms or position biases). Default 0.01.
         grad_clip: clip the global gradient norm to this. Default 1.0.
         seed: seeds the window sampler (run_extrapolation also seeds the initialisation with it). Default 0.
+
+    Raises:
+        ValueError: ``steps`` or ``batch_size`` < 1, ``warmup`` < 0, a learning rate or gradient clip that
+            is not a positive finite number, a weight decay that is negative or not finite.
     """
 
     steps: int = 1200
@@ -44,6 +48,17 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("steps", 1), ("batch_size", 1), ("warmup", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+        for name, positive in (("lr", True), ("grad_clip", True), ("weight_decay", False)):
+            value = getattr(self, name)
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            if not ok or value < 0 or (positive and value == 0):
+                raise ValueError(f"{name} must be a {'positive' if positive else 'non-negative'} finite number, got {value!r}")
 
     def lr_at(self, step: int) -> float:
         """Learning rate at ``step`` (0-based): linear warm-up, then cosine from ``lr`` to ``lr / 10``."""
