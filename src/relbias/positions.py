@@ -18,6 +18,9 @@ import torch
 __all__ = ["Alignment", "resolve_alignment", "relative_offsets"]
 
 
+_INT64_MAX = 2**63 - 1
+
+
 def _check_int(name: str, value: object, *, minimum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
@@ -94,7 +97,7 @@ def resolve_alignment(
 
     Raises:
         TypeError: a length or position is not an int (bools are rejected).
-        ValueError: a length is negative.
+        ValueError: a length is negative; positions or offsets beyond int64.
     """
     _check_int("query_len", query_len, minimum=0)
     _check_int("key_len", key_len, minimum=0)
@@ -102,7 +105,16 @@ def resolve_alignment(
     if query_start is None:
         query_start = key_start + key_len - query_len
     _check_int("query_start", query_start)
-    return Alignment(query_len, key_len, query_start, key_start)
+    alignment = Alignment(query_len, key_len, query_start, key_start)
+    extremes = (query_start, key_start, query_start + query_len, key_start + key_len, alignment.min_offset,
+                alignment.max_offset)
+    if any(abs(x) > _INT64_MAX for x in extremes):
+        raise ValueError(
+            f"positions and offsets must fit in int64 (|x| <= 2**63 - 1); query_start={query_start}, "
+            f"key_start={key_start} with lengths {query_len}, {key_len} give offsets "
+            f"{alignment.min_offset}..{alignment.max_offset}"
+        )
+    return alignment
 
 
 def relative_offsets(

@@ -29,7 +29,7 @@ class FunctionBias(RelativeBias):
     Raises:
         TypeError: ``fn`` is not callable.
         ValueError: bad ``num_heads`` or convention; from :meth:`offset_values`, ``fn`` returning a
-            tensor of the wrong shape or a non-float dtype.
+            tensor of the wrong shape or a non-float dtype, or NaN/inf values.
 
     Example:
         >>> bias = FunctionBias(lambda offset: -0.1 * offset.abs().float())  # a fixed linear decay
@@ -70,4 +70,12 @@ class FunctionBias(RelativeBias):
                 f"the bias function returned shape {tuple(values.shape)} for offsets of shape "
                 f"{tuple(offsets.shape)}; expected {expected} (num_heads, *offsets.shape)"
             )
+        if values.device.type != "meta":
+            bad = ~torch.isfinite(values)
+            if bool(bad.any()):
+                offset = int(offsets.expand(values.shape)[bad][0])
+                raise ValueError(
+                    f"the bias function returned {float(values[bad][0])} at offset {offset}; a bias must be "
+                    f"finite (hide keys with mask=, not with an infinite bias)"
+                )
         return values
