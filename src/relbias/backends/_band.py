@@ -43,10 +43,10 @@ def _windows(x: torch.Tensor, start: int, blocks: int, step: int, window: int) -
     return x.as_strided((b, h, blocks, window, d), (sb, sh, step * sl, sl, sd), x.storage_offset() + start * sl)
 
 
-def _chunks(problem, first: int, stop: int, window: int):
+def _chunks(problem, first: int, stop: int, window: int, scores: int = CHUNK_SCORES):
     b, h = problem.query.shape[:2]
     per_block = b * h * problem.block_q * window
-    size = max(1, CHUNK_SCORES // per_block)
+    size = max(1, scores // per_block)
     for j0 in range(first, stop, size):
         yield j0, min(stop, j0 + size)
 
@@ -94,7 +94,7 @@ def interior_backward(problem, grad_out, lse, row_dot, dq, dk, dv, first: int, s
     b, h, _, d = problem.query.shape
     dvv = grad_out.shape[-1]
     bias_acc = None
-    for j0, j1 in _chunks(problem, first, stop, window):
+    for j0, j1 in _chunks(problem, first, stop, window, CHUNK_SCORES // 2):  # ~6 score-sized temporaries
         n = j1 - j0
         q, s = _scores(problem, j0, j1, window, tile)
         rows = slice(j0 * bq, j1 * bq)
