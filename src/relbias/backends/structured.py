@@ -17,6 +17,10 @@ recomputes its tiles; the gradient of a constant is ``sum_i w_i (dO_i . out_p,i 
 ``w_i = exp(lse_p,i + c_p - lse_i)`` and ``D_i = dO_i . O_i`` (sums over batch and rows, in a fixed
 order: deterministic). Saved for backward: O(B·H·L·D).
 
+Sources: the bucket saturation of T5 (Raffel et al. 2020, JMLR 21(140), §2.1) and Shaw et al.'s clipping
+(2018, NAACL, §3); merging partial softmaxes by their log-sum-exp as in FlashAttention's split-KV /
+Flash-Decoding (Dao et al. 2022, 2023); the backward formulas of FlashAttention (Dao et al. 2022, Alg. 2).
+
 Requirements (the dispatcher checks them and says why when one fails): an offset-only bias with a
 ``far_constant_distance()``, no ``mask``, and a device with a fused kernel that exposes its
 log-sum-exp (CPU here).
