@@ -52,7 +52,7 @@ def check_scale(scale: float | None) -> None:
 
 
 def resolve_convention(convention: str | None, bias: object, scale: float | None, head_dim: int) -> tuple[str, float]:
-    """Pick the score convention and the scale; see design.md §1."""
+    """Pick the score convention and the scale; see docs/conventions.md."""
     if convention is None:
         convention = bias.default_convention if isinstance(bias, RelativeBias) else "seed"
     if convention not in CONVENTIONS:
@@ -76,7 +76,9 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
         if bias.num_heads not in (1, target[1]):
             raise ValueError(
                 f"the bias module has num_heads={bias.num_heads}, but query has {target[1]} heads "
-                f"(a bias must have 1 head, shared, or one per head)"
+                f"(a bias must have 1 head, shared, or one per head; query's layout is "
+                f"(batch, num_heads, seq_len, head_dim), so transpose a (batch, seq_len, num_heads, "
+                f"head_dim) tensor first)"
             )
         device = bias._device()
         if device != query.device:
@@ -103,6 +105,12 @@ def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int
         raise TypeError(f"mask must be bool (True = may attend) or float (additive, -inf = masked), got {mask.dtype}")
     if mask.device != query.device:
         raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+    if mask.dim() == 2 and mask.shape == (target[0], target[3]) and 1 < target[0] != target[2]:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} looks like a (batch, key_len) key padding mask; a mask "
+            f"broadcasts to (batch, num_heads, query_len, key_len) = {target}, so pass mask[:, None, None, :] "
+            f"(True = may attend)"
+        )
     check_broadcast("mask", mask, target, "(batch, num_heads, query_len, key_len)")
     if mask.is_floating_point() and bool((torch.isnan(mask) | (mask == float("inf"))).any()):
         raise ValueError("a float mask may hold finite values and -inf only; it contains NaN or +inf")

@@ -29,7 +29,7 @@ def attention(
 ) -> torch.Tensor:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
-    ``alpha(i, j) = softmax_j(score(i, j))`` with, by score convention (design.md §1):
+    ``alpha(i, j) = softmax_j(score(i, j))`` with, by score convention (docs/conventions.md):
 
     * ``"seed"``: ``score = ((q_i . k_j) + PE(i, j)) * scale + Mask(i, j)`` (the bias is scaled too);
     * ``"additive"``: ``score = (q_i . k_j) * scale + PE(i, j) + Mask(i, j)`` (PyTorch SDPA, ALiBi);

@@ -66,6 +66,9 @@ def test_resume_keeps_finished_schemes(corpus, tmp_path, capsys):
         (["--schemes", "rope"], "unknown scheme(s) ['rope']"),
         (["--set", "t5.num_buckets=1", "--schemes", "t5"], "'num_buckets': 1}: causal T5 buckets need num_buckets >= 2"),
         (["--set", "alibi.colour=1", "--schemes", "alibi"], "scheme 'alibi' with options {'colour': 1}"),
+        (["--set", "t5.max_dist=3", "--schemes", "t5"], "bias family 't5' does not take option 'max_dist'"),
+        (["--set", "rope.x=1", "--schemes", "alibi"], "--set rope.x=1: 'rope' is not a registered family"),
+        (["--set", "t5.max_distance=32", "--schemes", "alibi"], "'t5' is a registered family but not among the schemes run (alibi)"),
     ],
 )
 def test_errors_are_one_clear_line(extra, message, corpus, tmp_path, capsys):
@@ -88,3 +91,10 @@ def test_runs_on_tiny_shakespeare(tmp_path):
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["corpus_bytes"] == SHAKESPEARE.stat().st_size
     assert results["schemes"]["t5"]["eval_tokens"] == 1984  # 31 x lcm(8, 16, 32, 64): 2048 bytes hold 1984 + 1
+
+
+def test_quick_runs_write_beside_the_full_results_not_over_them(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["extrapolate", "--quick", "--corpus", str(corpus), "--schemes", "none", *TINY]) == 0
+    assert (tmp_path / "runs" / "extrapolate-quick" / "results.json").exists()
+    assert not (tmp_path / "runs" / "extrapolate").exists()

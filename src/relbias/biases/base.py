@@ -24,7 +24,7 @@ from ..positions import Alignment, resolve_alignment
 
 __all__ = ["CONVENTIONS", "NativeBias", "RelativeBias", "TableBias"]
 
-#: Score conventions (design.md §1): "seed" ``((q.k) + PE) * scale``; "additive" ``(q.k) * scale + PE``;
+#: Score conventions (docs/conventions.md): "seed" ``((q.k) + PE) * scale``; "additive" ``(q.k) * scale + PE``;
 #: "t5" ``(q.k) + PE`` (no scaling). A mask is added after all three.
 CONVENTIONS = ("seed", "additive", "t5")
 

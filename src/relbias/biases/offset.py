@@ -21,7 +21,7 @@ class PerOffsetBias(TableBias):
     nearest trained offset (``u_{clip(i-j, -(L-1), L-1)}``), as Shaw et al. 2018 clip at distance k.
     A causal bias is 0 at future keys (offset < 0), which carry no parameter and must be masked.
 
-    Score convention by default: "seed", ``((q.k) + u_{i-j}) * scale`` (design.md §1).
+    Score convention by default: "seed", ``((q.k) + u_{i-j}) * scale`` (docs/conventions.md).
 
     Args:
         max_len: longest training length L in tokens, >= 1.

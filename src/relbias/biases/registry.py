@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 from .alibi import ALiBiBias
@@ -41,11 +42,21 @@ def make_bias(
         **options: family-specific keyword arguments (e.g. ``out_of_range="clip"``, ``num_buckets``).
 
     Raises:
-        ValueError: unknown family name; errors of the family's constructor.
+        ValueError: unknown family name, an option the family does not take; errors of the family's
+            constructor.
     """
     if name not in FAMILIES:
         raise ValueError(f"unknown bias family {name!r}; known: {sorted(FAMILIES)}")
-    return FAMILIES[name](num_heads=num_heads, max_len=max_len, bidirectional=bidirectional, **options)
+    try:
+        return FAMILIES[name](num_heads=num_heads, max_len=max_len, bidirectional=bidirectional, **options)
+    except TypeError as exc:
+        unexpected = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+        if unexpected is None:
+            raise
+        raise ValueError(
+            f"bias family {name!r} does not take option {unexpected.group(1)!r} (given {sorted(options)}); "
+            f"see the family's class docstring (e.g. help(relbias.T5Bias)) for its keyword arguments"
+        ) from exc
 
 
 # NoPE ("no position encoding"): the explicit choice of no position bias at all; make_bias returns None

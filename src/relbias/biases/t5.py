@@ -15,7 +15,7 @@ class T5Bias(TableBias):
     """T5 relative position bias: one learnable scalar per bucket and head, ``PE(i, j) = u_{b(i-j), h}``.
 
     The bucket function ``b`` is :func:`relbias.t5_bucket`. Used by default with T5's unscaled scores,
-    ``(q.k) + u_{b(i-j)} + Mask`` (score convention "t5", design.md §1). Like Hugging Face's
+    ``(q.k) + u_{b(i-j)} + Mask`` (score convention "t5", docs/conventions.md). Like Hugging Face's
     ``relative_attention_bias``, one module is computed once per stack and shared by every layer.
 
     Args:

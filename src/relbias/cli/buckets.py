@@ -12,9 +12,16 @@ __all__ = ["register", "run"]
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``buckets`` subcommand."""
-    p = subparsers.add_parser("buckets", help="print the offset range of each T5 bucket")
-    p.add_argument("--num-buckets", type=int, default=32)
-    p.add_argument("--max-distance", type=int, default=128)
+    p = subparsers.add_parser(
+        "buckets",
+        help="print the offset range of each T5 bucket",
+        description="Print which offsets i - j (query minus key position, tokens) share each T5 bucket "
+        "(Raffel et al. 2020, section 2.1). In bidirectional mode bucket num_buckets/2 is never used: it "
+        "would hold distance 0 towards the future, which is offset 0, already bucket 0.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--num-buckets", type=int, default=32, help="number of buckets")
+    p.add_argument("--max-distance", type=int, default=128, help="distance (tokens) where the log region ends")
     p.add_argument("--causal", action="store_true", help="causal (decoder) buckets; default bidirectional")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
@@ -22,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _fmt(lo: int | None, hi: int | None) -> str:
     if lo is None and hi is None:
-        return "(unused)"
+        return "(unused: distance 0 towards the future is offset 0, bucket 0)"
     return f"{'-inf' if lo is None else lo} .. {'+inf' if hi is None else hi}"
 
 

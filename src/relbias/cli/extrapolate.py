@@ -50,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--schemes", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
                    help="comma-separated bias families (default: every registered family)")
     p.add_argument("--corpus", type=Path, help="UTF-8 text file or folder (default: Python's pydoc_data.topics)")
-    p.add_argument("--out", type=Path, default=Path("runs/extrapolate"), help="output folder (default %(default)s)")
+    p.add_argument("--out", type=Path,
+                   help="output folder (default runs/extrapolate, or runs/extrapolate-quick with --quick)")
     p.add_argument("--resume", action="store_true", help="keep finished schemes of --out/results.json, run the rest")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: {QUICK['steps']} steps of {QUICK['batch_size']} windows, "
@@ -123,7 +124,14 @@ def run(args: argparse.Namespace) -> int:
     eval_lengths = args.eval_lengths or [args.train_len * m for m in (1, 2, 4, 8)]
     scheme_options: dict[str, dict] = {"offset": {"out_of_range": args.offset_out_of_range}}
     for family, key, value in args.options:
+        if family not in schemes:
+            known = "a registered family" if family in FAMILIES else f"not a registered family {sorted(FAMILIES)}"
+            raise ValueError(
+                f"--set {family}.{key}={value}: {family!r} is {known} but not among the schemes run ({', '.join(schemes)})"
+            )
         scheme_options.setdefault(family, {})[key] = value
+    if args.out is None:
+        args.out = Path("runs/extrapolate-quick" if args.quick else "runs/extrapolate")
     try:
         config = ExtrapolationConfig(
             train_len=args.train_len, eval_lengths=tuple(eval_lengths), embed_dim=args.embed_dim,
