@@ -7,7 +7,7 @@ import json
 
 from ..buckets import t5_bucket_ranges
 
-__all__ = ["register", "run"]
+__all__ = ["format_range", "register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -27,7 +27,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _fmt(lo: int | None, hi: int | None) -> str:
+def format_range(lo: int | None, hi: int | None) -> str:
+    """``lo .. hi`` of a bucket's offsets, with -inf / +inf for open ends (or why the bucket is empty)."""
     if lo is None and hi is None:
         return "(unused: distance 0 towards the future is offset 0, bucket 0)"
     return f"{'-inf' if lo is None else lo} .. {'+inf' if hi is None else hi}"
@@ -43,5 +44,5 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print("bucket  offsets i - j (query minus key position)")
     for b, lo, hi in ranges:
-        print(f"{b:6d}  {_fmt(lo, hi)}")
+        print(f"{b:6d}  {format_range(lo, hi)}")
     return 0

@@ -15,9 +15,11 @@ import argparse
 import json
 import math
 import os
+import re
 
 import torch
 
+from .buckets import format_range as _fmt
 from ..biases import FAMILIES, ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, RelativeBias, T5Bias, make_bias
 
 __all__ = ["register", "run", "load_t5_table", "bias_vs_offset"]
@@ -33,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "inspect",
         help="show how a bias family (or a saved T5 table) treats distance: bucket map, parameters, plots",
-        description=__doc__.split("\n\n")[1],
+        description=re.sub(r":\w+:`([^`]+)`|``([^`]+)``", lambda m: m.group(1) or m.group(2), __doc__.split("\n\n")[1]),
         epilog=(
             "A fresh learnable family shows its initialisation (--seed). Examples: relbias inspect --family alibi "
             "--num-heads 8 --causal --out-dir plots; relbias inspect --state model.safetensors --stack decoder"
@@ -301,7 +303,7 @@ def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor,
     paths = {"bias_vs_offset": os.path.join(args.out_dir, f"{name}_bias_vs_offset.png"),
              "heatmap": os.path.join(args.out_dir, f"{name}_heatmap.png")}
 
-    fig = Figure(figsize=size, dpi=_DPI)
+    fig = Figure(figsize=size, dpi=_DPI, layout="constrained")  # titles and colour bar never overlap
     ax = fig.add_subplot()
     offsets = info["bias_vs_offset"]["offsets"]
     for h, row in enumerate(curves.tolist()):
@@ -317,7 +319,7 @@ def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor,
     heads = heatmaps.shape[0]
     cols = math.ceil(math.sqrt(heads))
     rows = math.ceil(heads / cols)
-    fig = Figure(figsize=size, dpi=_DPI)
+    fig = Figure(figsize=size, dpi=_DPI, layout="constrained")  # titles and colour bar never overlap
     axes = fig.subplots(rows, cols, squeeze=False)
     shown = heatmaps[~heatmaps.isnan()]  # masked (future) keys are NaN: left blank, out of the colour range
     low, high = float(shown.min()), float(shown.max())
@@ -332,12 +334,6 @@ def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor,
     fig.suptitle(f"{title}: (query, key) bias, L = {heatmaps.shape[1]}; rows queries, columns keys", fontsize="small")
     fig.savefig(paths["heatmap"], dpi=_DPI)
     return paths
-
-
-def _fmt(lo: int | None, hi: int | None) -> str:
-    if lo is None and hi is None:
-        return "(unused)"
-    return f"{'-inf' if lo is None else lo} .. {'+inf' if hi is None else hi}"
 
 
 def _print_text(info: dict[str, object], args: argparse.Namespace) -> None:
