@@ -175,9 +175,14 @@ def plot_results(results: dict) -> bytes:
 
 
 def save_results(out_dir: str | Path, results: dict) -> None:
-    """Write results.json, results.md and results.png into ``out_dir`` (created if needed), each atomically."""
+    """Write results.md, results.png and results.json into ``out_dir`` (created if needed), each atomically.
+
+    results.json, the record ``--resume`` reads, is replaced last: when it lists a scheme, results.md and
+    results.png already show it, whenever the process is killed.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / RESULTS_JSON, json.dumps(results, indent=2) + "\n")
-    write_atomic(out / RESULTS_MD, markdown_report(results))
-    write_atomic(out / RESULTS_PNG, plot_results(results))
+    markdown, png, text = markdown_report(results), plot_results(results), json.dumps(results, indent=2) + "\n"
+    write_atomic(out / RESULTS_MD, markdown)
+    write_atomic(out / RESULTS_PNG, png)
+    write_atomic(out / RESULTS_JSON, text)
