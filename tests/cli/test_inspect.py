@@ -120,7 +120,7 @@ def test_pt_file_with_a_bare_table_and_text_output(tmp_path, capsys):
     assert "T5Bias, 2 heads, bidirectional" in out and "learnable parameters: 16" in out
     for bucket, lo, hi in relbias.t5_bucket_ranges(num_buckets=8, max_distance=16):
         assert any(line.split()[:1] == [str(bucket)] for line in out.splitlines())
-    assert "(unused)" in out  # bidirectional bucket num_buckets // 2
+    assert "(unused: distance 0 towards the future is offset 0, bucket 0)" in out  # bidirectional bucket num_buckets // 2
 
 
 def test_named_key_from_a_state_dict(tmp_path, capsys):
