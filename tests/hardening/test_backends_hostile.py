@@ -229,10 +229,7 @@ def test_nan_and_inf_in_keys_a_query_cannot_see_do_not_reach_it(backend, case, s
 
 def _empty_axis_marks(backend, axis):
     reason = {
-        ("structured", "heads"): "backend bug 2: structured with num_heads = 0 kills the process (SIGFPE in the CPU flash kernel)",
-        ("structured", "batch"): "backend bug 3: structured with batch = 0 and default tiles raises ZeroDivisionError (_band._chunks)",
-        ("structured", "head_dim"): "backend bug 6: structured with head_dim = 0 raises 'cannot reshape tensor of 0 elements'",
-        ("flex", "heads"): "backend bug 4: flex with num_heads = 0 raises ZeroDivisionError",
+        # backend bugs 2, 3, 4, 6 (empty batch / heads / head_dim in structured and flex) are fixed
     }.get((backend, axis))
     return [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
 

@@ -36,7 +36,7 @@ from ..positions import Alignment
 from ._fused import fused_backward, fused_forward
 from ._tiled import TileProblem, tiled_backward, tiled_forward
 from ._tiles import NativeSource
-from .blockwise import compute_dtype
+from .blockwise import blockwise_attention, compute_dtype
 
 __all__ = ["BLOCK_Q", "far_distance", "far_parts", "structured_attention"]
 
@@ -107,7 +107,12 @@ HEAD_GROUP = 2
 
 
 def _run_part(q, k, v, mode, scale):
-    """(out (B, H, rows, Dv) input dtype, lse (B, H, rows) float) of one far part."""
+    """(out (B, H, rows, Dv) input dtype, or float32 for float16 inputs; lse (B, H, rows) float) of one far part.
+
+    float16 parts run on float64 copies (see :func:`structured_attention`).
+    """
+    if q.dtype == torch.float16:
+        q, k, v = q.double(), k.double(), v.double()
     if mode != "upper":
         return fused_forward(q, k, v, is_causal=mode == "lower", scale=scale)
     outs, lses = [], []
@@ -121,6 +126,8 @@ def _run_part(q, k, v, mode, scale):
 
 def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv):
     """Add this part's share of the gradients into the (B, H, rows / keys, D) slices dq, dk, dv."""
+    if q.dtype == torch.float16:  # as in _run_part
+        q, k, v = q.double(), k.double(), v.double()
     if mode != "upper":
         gq, gk, gv = fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale)
         dq += gq
@@ -228,6 +235,11 @@ def structured_attention(
     Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
     ``query``. ``block_q``: query rows per band tile (tokens), default :data:`BLOCK_Q`.
 
+    Precision: parts are merged through their log-sum-exp, which float32 holds to ``|lse| x 2^-24``; with
+    scores of order 1e4 (T5's unscaled scores on large activations) that is a relative error of ~1e-3 in
+    the merge weights, where the reference (one softmax) stays near 1e-7. float16 inputs therefore run
+    in float64; float32 inputs with such scores are better served by the blockwise backend.
+
     Raises:
         ValueError: ``mask`` is given, or ``bias`` has no far constant (see :func:`far_distance`); the
             dispatcher routes such calls elsewhere.
@@ -237,7 +249,16 @@ def structured_attention(
     distance = far_distance(bias)
     if distance is None:
         raise ValueError(f"{type(bias).__name__} is not constant beyond a distance; the structured backend needs that")
-    compute = compute_dtype(query.dtype)
+    batch, heads, _, head_dim = query.shape
+    if 0 in (batch, heads, head_dim, value.shape[-1]):  # nothing to split (and the CPU flash kernel
+        # divides by zero on zero heads): the blockwise backend returns the empty / zero result
+        return blockwise_attention(
+            query, key, value, bias=bias, mask=None, is_causal=is_causal, scale=scale, convention=convention,
+            alignment=alignment,
+        )
+    # float16 runs in float64: T5's unscaled scores exceed float16's range (design.md, Numerics), and
+    # merging parts by their log-sum-exp loses |score| x 2^-24 in float32 (0.004 at scores of 6e4).
+    compute = torch.float64 if query.dtype == torch.float16 else compute_dtype(query.dtype)
     block_q = block_q or BLOCK_Q
     native = bias.native(
         alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start,
