@@ -192,10 +192,7 @@ def test_nan_in_a_query_reaches_only_that_query(backend, small_tiles):
 
 
 def _leaks(backend, case):
-    if backend == "reference" or (backend == "structured" and case == "padding") or (backend, case) == ("flex", "future-key"):
-        return []
-    return [pytest.mark.xfail(strict=True, reason=f"backend bug 1 (/work/notes/backend_bugs.md): {backend} lets "
-                              "NaN/inf of a key or value that a query cannot see reach that query")]
+    return []  # backend bug 1 (NaN/inf of keys or values a query cannot see reaching it) is fixed
 
 
 @pytest.mark.parametrize(
@@ -303,3 +300,27 @@ def test_a_per_offset_table_too_short_for_the_block(backend, small_tiles):
     # query_start far beyond the table: the same error, however the block is positioned
     with pytest.raises(ValueError, match="has no parameter"):
         relbias.attention(q, k, v, bias=bias, is_causal=True, query_start=100, backend="blockwise")
+
+
+@pytest.mark.parametrize("bias_dtype", [torch.float64, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
+def test_bias_parameters_in_another_dtype_than_the_inputs(backend, bias_dtype, small_tiles):
+    """float32 inputs with a bias module kept in float64 / float16 / bfloat16: computed in float32, output
+    float32, and the bias gradient arrives in the parameters' own dtype, equal to the reference's."""
+    q, k, v = _qkv(lq=20, lk=20, d=8)
+    bias = T5Bias(2, num_buckets=8, max_distance=16, init_std=1.0).to(bias_dtype)
+    with torch.no_grad():
+        got = call_or_refusal(backend, q, k, v, bias=bias)
+        want = relbias.attention(q, k, v, bias=bias, backend="reference")
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if backend == "flex":
+        return  # no FlexAttention backward on CPU
+    grads = []
+    for name in (backend, "reference"):
+        bias.zero_grad()
+        relbias.attention(q, k, v, bias=bias, backend=name).pow(2).sum().backward()
+        grads.append(bias.weight.grad.clone())
+    assert grads[0].dtype == bias_dtype
+    tol = 1e-6 if bias_dtype == torch.float64 else 2e-2
+    torch.testing.assert_close(grads[0].double(), grads[1].double(), rtol=tol, atol=tol * float(grads[1].abs().max()))
