@@ -56,6 +56,7 @@ class TileProblem:
     block_q: int = 256
     block_k: int = 1024
     compute: torch.dtype = torch.float32
+    careful: bool = False  # keys/values hold NaN/inf: confine them to the queries that see them
     _cache: dict = field(default_factory=dict, repr=False)
     _skip: tuple[int, int] = (0, 0)  # query blocks done by the batched interior path
 
@@ -126,15 +127,32 @@ class TileProblem:
         k = self.key[:, :, s0:s1].to(self.compute)
         s = torch.matmul(q, k.transpose(-2, -1)).mul_(self.scale)
         tile = self._additive_tile(t0, t1, s0, s1)
+        hidden = None
         if tile is not None:
             s.add_(tile)
+            if self.careful:
+                hidden = tile == _NEG_INF
         if self.mask is not None:
             m = mask_tile(self.mask, t0, t1, s0, s1)
             if m.dtype == torch.bool:
                 s = s.masked_fill(~m, _NEG_INF)
             else:
                 s = s + m.to(self.compute)  # finite values add; -inf entries hide the key
+                if self.careful:
+                    hidden = (m == _NEG_INF) if hidden is None else hidden | (m == _NEG_INF)
+        if hidden is not None:  # a NaN score (inf key) of a hidden entry must not survive
+            s = s.masked_fill(hidden, _NEG_INF)
         return s
+
+
+def visible_matmul(weights: torch.Tensor, scores: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``weights @ x`` summing only entries with ``scores != -inf``: (..., Tq, Tk) x (..., Tk, D) -> (..., Tq, D).
+
+    Used when keys or values hold NaN/inf, where ``0 * inf = NaN`` would leak a hidden key into every row.
+    Memory (..., Tq, Tk, D): callers use small tiles.
+    """
+    visible = (scores != _NEG_INF)[..., None]
+    return torch.where(visible, weights[..., None] * x[..., None, :, :], 0.0).sum(dim=-2)
 
 
 def tiled_forward(problem: TileProblem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +182,13 @@ def tiled_forward(problem: TileProblem) -> tuple[torch.Tensor, torch.Tensor]:
             m_new = s.amax(dim=-1) if m is None else torch.maximum(m, s.amax(dim=-1))
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows with nothing visible yet
             p = torch.exp(s.sub_(m_safe[..., None]))
+            pv = visible_matmul(p, s, v) if problem.careful else torch.matmul(p, v)
             if m is None:
-                denom, acc = p.sum(dim=-1), torch.matmul(p, v)
+                denom, acc = p.sum(dim=-1), pv
             else:
                 alpha = torch.exp(m - m_safe)
                 denom = denom * alpha + p.sum(dim=-1)
-                acc = acc * alpha[..., None] + torch.matmul(p, v)
+                acc = acc * alpha[..., None] + pv
             m = m_new
         has = denom > 0
         out[:, :, t0:t1] = acc / torch.where(has, denom, torch.ones_like(denom))[..., None]
@@ -209,12 +228,16 @@ def tiled_backward(
         row_lse, row_d = lse_safe[:, :, t0:t1, None], row_dot[:, :, t0:t1, None]
         for s0, s1 in problem.key_blocks(s_lo, s_hi):
             k, v = k_all[:, :, s0:s1].to(c), v_all[:, :, s0:s1].to(c)
-            p = torch.exp(problem.scores(q, t0, t1, s0, s1) - row_lse)  # (B, H, Tq, Tk)
+            s = problem.scores(q, t0, t1, s0, s1)
+            p = torch.exp(s - row_lse)  # (B, H, Tq, Tk)
             dv[:, :, s0:s1] += torch.matmul(p.transpose(-2, -1), do)
             ds = p * (torch.matmul(do, v.transpose(-2, -1)) - row_d)
+            if problem.careful:
+                ds = ds.masked_fill(s == _NEG_INF, 0.0)
             if problem.source is not None:
                 problem.source.add_grad(ds, t0, s0)
-            dq[:, :, t0:t1] += torch.matmul(ds, k).mul_(problem.scale)
+            dq_tile = visible_matmul(ds, s, k) if problem.careful else torch.matmul(ds, k)
+            dq[:, :, t0:t1] += dq_tile.mul_(problem.scale)
             dk[:, :, s0:s1] += torch.matmul(ds.transpose(-2, -1), q).mul_(problem.scale)
     problem.clear_cache()
     return dq, dk, dv

@@ -28,6 +28,13 @@ __all__ = ["BLOCK_K", "BLOCK_Q", "blockwise_attention", "make_source"]
 #: Default tile: queries x keys per step (tokens). Peak scratch is about 4 such float32 tiles x B x H.
 BLOCK_Q = 256
 BLOCK_K = 1024
+#: Tile side when keys or values hold NaN/inf (products are then summed per entry: (B, H, T, T, D) memory).
+CAREFUL_BLOCK = 32
+
+
+def all_finite(*tensors: torch.Tensor) -> bool:
+    """True when no tensor holds NaN/inf (always True on the meta device, which has no values)."""
+    return all(t.device.type == "meta" or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -128,8 +135,10 @@ def blockwise_attention(
     source, inputs, kind = make_source(bias, alignment, convention, scale, compute, query.device)
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    careful = not all_finite(key, value)
     problem = TileProblem(
         query, key, value, scale, source, mask, is_causal, alignment.query_start - alignment.key_start,
-        block_q=block_q or BLOCK_Q, block_k=block_k or BLOCK_K, compute=compute,
+        block_q=block_q or (CAREFUL_BLOCK if careful else BLOCK_Q), block_k=block_k or (CAREFUL_BLOCK if careful else BLOCK_K),
+        compute=compute, careful=careful,
     )
     return _BlockwiseFunction.apply(query, key, value, problem, kind, *inputs)

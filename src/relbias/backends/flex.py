@@ -95,8 +95,11 @@ def flex_attention_backend(
     if bias is not None and (not isinstance(bias, RelativeBias) or not bias.offset_only):
         raise TypeError("the flex backend looks the bias up in a native per-offset vector; it needs an offset-only bias module")
 
-    if 0 in (query.shape[0], query.shape[1], query.shape[3], value.shape[3]):  # FlexAttention divides by zero
-        from .blockwise import blockwise_attention  # the empty / zero result, same semantics
+    from .blockwise import all_finite, blockwise_attention
+
+    if 0 in (query.shape[0], query.shape[1], query.shape[3], value.shape[3]) or not all_finite(key, value):
+        # FlexAttention divides by zero on empty axes, and spreads NaN/inf keys or values to queries that
+        # cannot see them: the blockwise backend gives the empty result / confines them (same semantics).
 
         return blockwise_attention(
             query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,

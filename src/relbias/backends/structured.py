@@ -36,7 +36,7 @@ from ..positions import Alignment
 from ._fused import fused_backward, fused_forward
 from ._tiled import TileProblem, tiled_backward, tiled_forward
 from ._tiles import NativeSource
-from .blockwise import blockwise_attention, compute_dtype
+from .blockwise import all_finite, blockwise_attention, compute_dtype
 
 __all__ = ["BLOCK_Q", "far_distance", "far_parts", "structured_attention"]
 
@@ -250,8 +250,10 @@ def structured_attention(
     if distance is None:
         raise ValueError(f"{type(bias).__name__} is not constant beyond a distance; the structured backend needs that")
     batch, heads, _, head_dim = query.shape
-    if 0 in (batch, heads, head_dim, value.shape[-1]):  # nothing to split (and the CPU flash kernel
-        # divides by zero on zero heads): the blockwise backend returns the empty / zero result
+    if 0 in (batch, heads, head_dim, value.shape[-1]) or not all_finite(key, value):
+        # Nothing to split (the CPU flash kernel divides by zero on zero heads), or NaN/inf keys or values,
+        # which fused kernels spread to queries that cannot see them (0 * inf): the blockwise backend
+        # returns the empty result / confines them to the queries that see them.
         return blockwise_attention(
             query, key, value, bias=bias, mask=None, is_causal=is_causal, scale=scale, convention=convention,
             alignment=alignment,
