@@ -125,5 +125,5 @@ def test_bad_keyword_arguments(kwargs, error, message):
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_every_family_refuses_an_unknown_option_with_its_name(name):
-    with pytest.raises(TypeError, match="colour"):
+    with pytest.raises(ValueError, match=f"bias family '{name}' does not take option 'colour'"):
         make_bias(name, num_heads=2, max_len=8, bidirectional=True, colour=1)
