@@ -188,3 +188,17 @@ def test_bytelm_rejects_tokens_outside_the_byte_range_and_float_tokens():
     with pytest.raises(TypeError, match="integer tensor of byte values"):
         model(torch.tensor([[0.0, 1.0]]))
     assert model(torch.zeros(2, 0, dtype=torch.long)).shape[:2] == (2, 0)
+
+
+def test_a_cache_on_another_device_or_dtype_than_the_layer_is_refused_by_name():
+    layer = _layer()
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match="new keys/values are on cpu/cpu but the cache is on meta"):
+        layer(x, cache=StaticKVCache(2, 2, 8, 4, device="meta"))
+    cache = KVCache()
+    meta = torch.zeros(2, 2, 3, 4, device="meta")
+    cache.update(meta, meta, 0)
+    with pytest.raises(ValueError, match="new keys/values are on cpu/cpu but the cache is on meta"):
+        layer(x, cache=cache)  # before the fix: torch.cat's "Tensor on device cpu is not on the expected device meta!"
+    with pytest.raises(ValueError, match="new keys are torch.float32 but the cache holds torch.float64"):
+        layer(x, cache=StaticKVCache(2, 2, 8, 4, dtype=torch.float64))

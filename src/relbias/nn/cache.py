@@ -35,6 +35,14 @@ def _check_block(key: torch.Tensor, value: torch.Tensor) -> None:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in batch, heads or length")
 
 
+def _check_device(key: torch.Tensor, value: torch.Tensor, device: torch.device) -> None:
+    if key.device != device or value.device != device:
+        raise ValueError(
+            f"new keys/values are on {key.device}/{value.device} but the cache is on {device}; move the cache "
+            f"or the layer"
+        )
+
+
 class KVCache:
     """A cache that grows by concatenation: the simplest way to decode token by token.
 
@@ -75,7 +83,7 @@ class KVCache:
         Raises:
             TypeError: a non-int position or non-tensor key/value.
             ValueError: a position outside ``[0, length]``; key/value of wrong rank, or with batch,
-                heads, head_dim or dtype different from the cached ones.
+                heads, head_dim, dtype or device different from the cached ones.
         """
         position = _check_position(position, self.length)
         _check_block(key, value)
@@ -90,6 +98,7 @@ class KVCache:
             )
         if key.dtype != old_key.dtype or value.dtype != old_value.dtype:
             raise ValueError(f"new keys are {key.dtype} but the cache holds {old_key.dtype}")
+        _check_device(key, value, old_key.device)
         self.key = torch.cat([old_key, key], dim=2)
         self.value = torch.cat([old_value, value], dim=2)
         return self.key, self.value
@@ -157,8 +166,8 @@ class StaticKVCache:
 
         Raises:
             TypeError: a non-int position.
-            ValueError: a position outside ``[0, length]``; ``position + L > capacity``; shapes or
-                dtypes that differ from the buffers'.
+            ValueError: a position outside ``[0, length]``; ``position + L > capacity``; shapes,
+                dtypes or a device that differ from the buffers'.
         """
         position = _check_position(position, self.length)
         _check_block(key, value)
@@ -176,6 +185,7 @@ class StaticKVCache:
             )
         if key.dtype != self.key.dtype or value.dtype != self.value.dtype:
             raise ValueError(f"new keys are {key.dtype} but the cache holds {self.key.dtype}")
+        _check_device(key, value, self.key.device)
         self.key[:, :, position:end] = key
         self.value[:, :, position:end] = value
         self.length = end
