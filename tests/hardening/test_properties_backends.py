@@ -90,3 +90,25 @@ def test_gradients_equal_the_reference(problem, backend, small_tiles):
     event(f"{backend} compared")
     for g, w in zip(*results):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * max(1.0, float(w.abs().max())))
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(problem=problems(), backend=st.sampled_from(FAST_BACKENDS), shift=st.integers(-10**6, 10**6))
+def test_every_backend_depends_on_i_minus_j_only(problem, backend, shift, small_tiles):
+    """Shifting query and key positions together leaves an offset-only bias, hence the output, bit-identical."""
+    q, k, v, kwargs = problem
+    bias = kwargs["bias"]
+    if bias is not None and not bias.offset_only:
+        event("not offset-only (FIRE)")
+        return
+    start = kwargs.pop("query_start", None), kwargs.pop("key_start", 0)
+    query_start = k.shape[2] - q.shape[2] + start[1] if start[0] is None else start[0]
+    with torch.no_grad():
+        a = call_or_refusal(backend, q, k, v, query_start=query_start, key_start=start[1], **kwargs)
+        b = call_or_refusal(backend, q, k, v, query_start=query_start + shift, key_start=start[1] + shift, **kwargs)
+    if isinstance(a, str):
+        assert a == b
+        event(f"{backend} refused")
+        return
+    event(f"{backend} compared")
+    assert torch.equal(a, b)
