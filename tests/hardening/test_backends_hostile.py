@@ -267,14 +267,7 @@ def test_empty_batch_heads_or_head_dim(backend, axis, monkeypatch):
     assert result.returncode == 0, f"exit status {result.returncode}: {result.stdout[-500:]} {result.stderr[-1500:]}"
 
 
-def _meta_marks(backend):
-    if backend == "reference":
-        return [pytest.mark.xfail(strict=True, reason="backend bug 5: the reference calls bool() on a tensor "
-                                  "(Tensor.item() cannot be called on meta tensors)")]
-    return []
-
-
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=_meta_marks(b)) for b in BACKEND_NAMES])
+@pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_every_argument_on_the_meta_device_gives_the_shape_or_a_clear_refusal(backend, small_tiles):
     q, k, v = (t.to("meta") for t in _qkv(lq=5, lk=9))
     bias = T5Bias(2, num_buckets=8, max_distance=16).to("meta")

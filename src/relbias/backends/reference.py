@@ -81,7 +81,7 @@ def reference_attention(
     has_key = visible.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~has_key, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
-    if bool(torch.isfinite(v).all()):
+    if v.device.type == "meta" or bool(torch.isfinite(v).all()):  # meta tensors hold no values to check
         return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)
     # NaN/inf values must reach only the queries that see them, not others through 0 * NaN: sum the
     # visible products explicitly ((B, H, Lq, Lk, Dv) memory; only taken when values are non-finite).
