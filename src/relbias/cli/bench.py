@@ -32,7 +32,15 @@ DEFAULT_METHODS = ("sdpa", "sdpa_bias", "eager", "structured", "blockwise")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``bench`` subcommand."""
-    p = subparsers.add_parser("bench", help="time and peak memory of attention backends vs bias-free SDPA")
+    p = subparsers.add_parser(
+        "bench",
+        help="time and peak memory of attention backends vs bias-free SDPA",
+        description="Time (ms, minimum of interleaved repeats) and peak memory (MiB; 'peak MiB' is the fresh "
+        "process's peak resident set, '+MiB' its growth during the call) of relative-bias attention backends, "
+        "of SDPA with the bias materialised, and of a Hugging-Face-style eager path, each as a ratio to "
+        "bias-free SDPA measured in the same run ('x sdpa').",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=run)
 
@@ -61,14 +69,15 @@ def _non_negative_float(text: str) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``relbias bench`` (shared with benchmarks/bench_attention.py)."""
     p.add_argument("--n", type=_positive_int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths (tokens)")
-    p.add_argument("--causal", choices=["both", "causal", "bidirectional"], default="both")
+    p.add_argument("--causal", choices=["both", "causal", "bidirectional"], default="both", help="masking")
     p.add_argument("--mode", choices=["both", "fwd", "fwdbwd"], default="both", help="forward, forward+backward")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                   help="what to measure (flex compiles per shape: forward only on CPU)")
     p.add_argument("--family", default="t5", help="bias family (relbias.biases.FAMILIES), default t5")
-    p.add_argument("--batch", type=_positive_int, default=1)
-    p.add_argument("--heads", type=_positive_int, default=8)
-    p.add_argument("--head-dim", type=_positive_int, default=64)
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
+    p.add_argument("--heads", type=_positive_int, default=8, help="num_heads H")
+    p.add_argument("--head-dim", type=_positive_int, default=64, help="head_dim D")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="input dtype")
     p.add_argument("--repeats", type=_positive_int, default=3, help="timed calls per method (minimum reported)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch.set_num_threads (default: PyTorch's choice)")
     p.add_argument("--max-scores", type=_non_negative_float, default=2.2e9,
@@ -216,25 +225,23 @@ def run(args: argparse.Namespace) -> int:
     """Measure, print the table (and write JSON with ``--json``)."""
     import torch
 
+    from ..biases import FAMILIES
+
+    if args.family not in FAMILIES:
+        raise ValueError(f"unknown bias family {args.family!r}; known: {sorted(FAMILIES)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"relbias bench: torch {torch.__version__}, {torch.get_num_threads()} threads, B={args.batch} "
           f"H={args.heads} D={args.head_dim} {args.dtype}, bias {args.family}; load average {os.getloadavg()}")
     header = f"{'N':>5} {'mask':>6} {'mode':>6} {'method':>10} {'ms':>9} {'x sdpa':>7} {'peak MiB':>9} {'x sdpa':>7} {'+MiB':>8} {'x sdpa':>7}"
-    print(header)
 
-    def show(row):
-        if "error" in row and "ms" not in row:
-            print(f"{row['n']:>5} {'causal' if row['causal'] else 'bidi':>6} {row['mode']:>6} {row['method']:>10}  {row['error']}")
-            return
-        print(
-            f"{row['n']:>5} {'causal' if row['causal'] else 'bidi':>6} {row['mode']:>6} {row['method']:>10} "
-            f"{_fmt(row, 'ms', '9.1f')} {'':>7} {_fmt(row, 'peak_mib', '9.0f')} {'':>7} {_fmt(row, 'growth_mib', '8.0f')}",
-            flush=True,
-        )
+    def show(row):  # progress on stderr; the table with ratios follows on stdout
+        where = f"{row['n']:>5} {'causal' if row['causal'] else 'bidi':>6} {row['mode']:>6} {row['method']:>10}"
+        what = row["error"] if "error" in row and "ms" not in row else f"{_fmt(row, 'ms', '.1f')} ms"
+        print(f"measured {where}  {what}", file=sys.stderr, flush=True)
 
     rows = measure(args, progress=show)
-    print("\nratios to bias-free SDPA (same run):")
+    print("ratios to bias-free SDPA (same run):")
     print(header)
     for row in rows:
         if "ms" not in row:
