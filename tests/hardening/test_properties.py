@@ -70,4 +70,5 @@ def test_materialised_bias_equals_the_native_lookup(qkv, name, is_causal):
     full = bias(lq, lk, query_start=3, key_start=1)
     positions = bias.pair_values(torch.arange(3, 3 + lq), torch.arange(1, 1 + lk))
     assert full.shape == (bias.num_heads, lq, lk)
-    torch.testing.assert_close(full, positions, rtol=0, atol=0)
+    # the same formula on differently shaped tensors: vectorised and scalar CPU kernels may differ by an ulp
+    torch.testing.assert_close(full, positions, rtol=1e-6, atol=1e-7)

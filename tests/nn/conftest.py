@@ -31,11 +31,3 @@ def perturbed_bias():
     """The function :func:`_perturbed_bias`."""
     return _perturbed_bias
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread for these tiny shapes: on a shared 2-core machine a second thread only waits."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
