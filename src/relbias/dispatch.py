@@ -105,7 +105,8 @@ def choose_backend(
 
     Returns:
         (name, reason). Policy: a tensor bias or a mask requiring grad -> reference; at most
-        :data:`AUTO_REFERENCE_MAX_SCORES` scores -> reference; CUDA -> flex when it can run; then structured
+        :data:`AUTO_REFERENCE_MAX_SCORES` scores -> reference; CUDA -> flex when it can run and no gradient
+        is needed (blockwise when one is: flex's CUDA backward awaits a GPU check); then structured
         when the bias is far-constant and there is no mask; else blockwise.
     """
     def check(name):
@@ -122,8 +123,13 @@ def choose_backend(
         return "reference", f"small block: {scores} scores (<= {AUTO_REFERENCE_MAX_SCORES}) are cheaper to materialise"
     if query.device.type == "cuda":
         ok, why = check("flex")
-        if ok:
+        if ok and not _needs_grad(query, key, value, bias, mask):
             return "flex", f"{why}: fused kernel with the bias looked up per score"
+        if ok:  # flex's backward (bias-table gradients included) has not been checked on a GPU yet
+            return "blockwise", (
+                "gradients are needed and flex's CUDA backward is not yet verified against the reference "
+                "(benchmarks/gpu_check.py); blockwise is; pass backend='flex' to use it anyway"
+            )
     ok, why = check("structured")
     if ok:
         return "structured", f"far-constant bias, no mask, {why}: fused bias-free far parts plus a tiled band"
