@@ -37,7 +37,7 @@ def test_every_registered_family_end_to_end(corpus, tmp_path, capsys):
         assert f"\n{scheme} " in printed
     import matplotlib.image
 
-    assert matplotlib.image.imread(out / "results.png").shape[:2] == (420, 640)
+    assert matplotlib.image.imread(out / "results.png").shape[:2] == (420, 760)
     assert "## Bits per byte" in (out / "results.md").read_text()
 
 

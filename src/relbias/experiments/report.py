@@ -154,7 +154,7 @@ def plot_results(results: dict) -> bytes:
     from matplotlib.figure import Figure
 
     lengths = _lengths(results)
-    fig = Figure(figsize=(6.4, 4.2), dpi=100)
+    fig = Figure(figsize=(7.6, 4.2), dpi=100)
     ax = fig.add_subplot()
     for name in results.get("order", sorted(results["schemes"])):
         entry = results["schemes"].get(name)
@@ -167,7 +167,7 @@ def plot_results(results: dict) -> bytes:
     ax.set_ylabel("bits per byte (lower is better)")
     ax.set_title(f"Length extrapolation on {Path(results['config']['corpus']).name}")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the lines
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
