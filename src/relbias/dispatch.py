@@ -8,8 +8,9 @@ Backends (``relbias.backends.BACKENDS``):
 
 * ``"reference"``: materialises the (B, H, Lq, Lk) scores; the oracle; runs everything.
 * ``"blockwise"``: tiled, memory O(B·H·L·D), any device and dtype, every bias module and mask.
-* ``"structured"``: far-constant biases (T5, clipped per-offset) without a mask, where a fused kernel
-  with log-sum-exp exists (CPU): bias-free fused attention far from the diagonal plus a tiled band.
+* ``"structured"``: far-constant biases (T5, clipped per-offset), no mask or a bool key padding mask,
+  where a fused kernel with log-sum-exp exists (CPU): bias-free fused attention far from the diagonal
+  plus a tiled band.
 * ``"flex"``: FlexAttention (compiled), offset-only biases; forward only on CPU in torch 2.13.
 """
 
@@ -20,7 +21,7 @@ import torch
 from . import _checks
 from .backends._fused import fused_available
 from .backends.flex import flex_available
-from .backends.structured import far_distance
+from .backends.structured import far_distance, key_padding_mask
 from .biases.base import RelativeBias
 from .positions import Alignment, resolve_alignment
 
@@ -75,8 +76,11 @@ def check_backend(
                 f"{type(bias).__name__} is not constant beyond a distance (T5Bias and PerOffsetBias with "
                 f"out_of_range='clip' are)"
             )
-        if mask is not None:
-            return False, "a mask is given; the fused far parts take none (padding masks go to blockwise)"
+        if mask is not None and key_padding_mask(mask, key.shape[2]) is None:
+            return False, (
+                "the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk); the fused far parts take only "
+                "that (float masks and masks with a query dimension go to blockwise)"
+            )
         if value.shape[-1] != query.shape[-1]:
             return False, f"value head_dim {value.shape[-1]} differs from query head_dim {query.shape[-1]}; the fused kernel needs them equal"
         if alignment.query_len == 0 or alignment.key_len == 0:
@@ -107,7 +111,7 @@ def choose_backend(
         (name, reason). Policy: a tensor bias or a mask requiring grad -> reference; at most
         :data:`AUTO_REFERENCE_MAX_SCORES` scores -> reference; CUDA -> flex when it can run and no gradient
         is needed (blockwise when one is: flex's CUDA backward awaits a GPU check); then structured
-        when the bias is far-constant and there is no mask; else blockwise.
+        when the bias is far-constant and the mask is None or a bool key padding mask; else blockwise.
     """
     def check(name):
         return check_backend(
@@ -132,7 +136,8 @@ def choose_backend(
             )
     ok, why = check("structured")
     if ok:
-        return "structured", f"far-constant bias, no mask, {why}: fused bias-free far parts plus a tiled band"
+        masked = "no mask" if mask is None else "a key padding mask"
+        return "structured", f"far-constant bias, {masked}, {why}: fused bias-free far parts plus a tiled band"
     return "blockwise", f"tiled, memory O(N·D) (structured path not taken: {why})"
 
 

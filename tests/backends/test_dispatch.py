@@ -21,10 +21,21 @@ def test_auto_picks_structured_for_a_long_t5_block_on_cpu():
     assert name == "structured" and "far-constant" in reason
 
 
-def test_auto_routes_a_padding_mask_to_blockwise_and_says_why():
-    mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
+def test_auto_takes_structured_for_a_key_padding_mask():
+    mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
+    mask[1, ..., 4000:] = False
+    name, reason = relbias.explain_backend(*[x.expand(2, -1, -1, -1) for x in _qkv()], bias=relbias.T5Bias(8), mask=mask)
+    assert name == "structured" and "key padding mask" in reason
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [torch.zeros(1, 1, 1, 4096), torch.ones(1, 1, 4096, 4096, dtype=torch.bool)],
+    ids=["float", "query-dimension"],
+)
+def test_auto_routes_other_masks_to_blockwise_and_says_why(mask):
     name, reason = relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), mask=mask)
-    assert name == "blockwise" and "mask" in reason
+    assert name == "blockwise" and "not a bool key padding mask" in reason
 
 
 def test_auto_routes_a_bias_without_far_constant_to_blockwise():
@@ -49,7 +60,7 @@ def test_auto_materialises_small_blocks_and_tensor_biases():
     "backend, kwargs, requires_grad, message",
     [
         ("structured", dict(bias=make_bias("alibi", num_heads=8, max_len=8, bidirectional=True)), False, "not constant beyond a distance"),
-        ("structured", dict(bias=relbias.T5Bias(8), mask=torch.ones(1, 1, dtype=torch.bool).expand(4096, 4096)), False, "a mask is given"),
+        ("structured", dict(bias=relbias.T5Bias(8), mask=torch.ones(1, 1, dtype=torch.bool).expand(4096, 4096)), False, "not a bool key padding mask"),
         ("flex", dict(bias=relbias.T5Bias(8)), True, "no backward on CPU"),
         ("blockwise", dict(bias=torch.zeros(1, 1).expand(4096, 4096)), False, "already materialised"),
     ],

@@ -5,7 +5,8 @@ keys) sees the same offset pattern, so its bias tile is the same, and its key wi
 of the keys (``as_strided``, no copy). Doing a chunk of such blocks in one batched matmul replaces
 dozens of small calls, whose per-call threading overhead dominates on a loaded CPU, by a few large
 ones. Edge blocks go through the generic tile loop. Gradients of overlapping key windows are added
-back per window segment, each segment a non-overlapping strided view: deterministic.
+back per window segment, each segment a non-overlapping strided view: deterministic. A bool key padding
+mask (query dimension 1) is applied per window, from a strided view of it as well.
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ CHUNK_SCORES = 1 << 21
 
 def interior_blocks(problem) -> tuple[int, int, int]:
     """(first, stop, window): query-block indices whose whole key window ``[t0 + delta - hi, +window)``
-    is inside the keys, for a band problem (finite limits, no mask); (0, 0, 0) when batching does not apply."""
-    if problem.mask is not None or problem.min_offset is None or problem.max_offset is None:
+    is inside the keys, for a band problem (finite limits; no mask or a bool key padding mask); (0, 0, 0)
+    when batching does not apply."""
+    mask = problem.mask
+    if mask is not None and (mask.dtype != torch.bool or mask.shape[-2] != 1):
+        return 0, 0, 0
+    if problem.min_offset is None or problem.max_offset is None:
         return 0, 0, 0
     if problem.source is not None and not getattr(problem.source, "translation_invariant", False):
         return 0, 0, 0
@@ -61,6 +66,16 @@ def _scores(problem, j0: int, j1: int, window: int, tile: torch.Tensor | None):
     s = torch.matmul(q * problem.scale if problem.scale != 1.0 else q, k.transpose(-2, -1))  # (B, H, n, bq, W)
     if tile is not None:
         s.add_(tile.unsqueeze(-3))  # (Hb, bq, W) -> (Hb, 1, bq, W)
+    if problem.mask is not None:  # (Bm, Hm, 1, Lk) key padding mask -> (Bm, Hm, n, 1, W) windows
+        keep = problem.mask[:, :, 0]
+        if keep.shape[-1] == 1:
+            keep = keep.expand(*keep.shape[:2], problem.key.shape[2])
+        sb, sh, sl = keep.stride()
+        windows = keep.as_strided(
+            (keep.shape[0], keep.shape[1], j1 - j0, window), (sb, sh, bq * sl, sl),
+            keep.storage_offset() + (j0 * bq + shift) * sl,
+        )
+        s.masked_fill_(~windows[:, :, :, None, :], float("-inf"))
     return q, s
 
 
@@ -76,13 +91,20 @@ def interior_forward(problem, out: torch.Tensor, lse: torch.Tensor, first: int, 
     b, h = problem.query.shape[:2]
     for j0, j1 in _chunks(problem, first, stop, window):
         _, s = _scores(problem, j0, j1, window, tile)
-        m = s.amax(dim=-1)  # every interior row sees its diagonal: finite
+        m = s.amax(dim=-1)  # finite unless a key padding mask hides the row's whole window
         p = torch.softmax(s, dim=-1)
         del s
+        empty = None
+        if problem.mask is not None:  # rows with every key hidden: softmax gives NaN; want out 0, lse -inf
+            empty = m == float("-inf")
+            p = p.masked_fill_(empty[..., None], 0.0)
         v = _windows(problem.value, j0 * bq + shift, j1 - j0, bq, window).to(c)
         o = torch.matmul(p, v)  # (B, H, n, bq, Dv), normalised
         out[:, :, j0 * bq : j1 * bq] = o.reshape(b, h, -1, o.shape[-1])
-        lse[:, :, j0 * bq : j1 * bq] = (m - torch.log(p.amax(dim=-1))).reshape(b, h, -1)
+        row_lse = m - torch.log(p.amax(dim=-1))
+        if empty is not None:
+            row_lse = row_lse.masked_fill_(empty, float("-inf"))
+        lse[:, :, j0 * bq : j1 * bq] = row_lse.reshape(b, h, -1)
 
 
 def interior_backward(problem, grad_out, lse, row_dot, dq, dk, dv, first: int, stop: int, window: int) -> None:

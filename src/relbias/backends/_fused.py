@@ -29,16 +29,25 @@ def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str
 
 
 def fused_forward(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_causal: bool, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    is_causal: bool,
+    scale: float,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Bias-free attention on non-empty (B, H, L, D) slices; causal is top-left aligned.
+
+    ``attn_mask``: None or an additive float mask in the dtype of ``query`` (0 / -inf), broadcastable to
+    (B, H, Lq, Lk). A row whose every key is masked gets out 0 and lse 0 (not -inf): callers fix that.
 
     Returns:
         out (B, H, Lq, Dv) in the input dtype; lse (B, H, Lq) float32 (float64 for float64 inputs), the
         natural log-sum-exp of ``scale * q . k`` over the visible keys.
     """
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, is_causal, attn_mask=None, scale=scale
+        query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
     )
     return out, lse
 
@@ -53,12 +62,14 @@ def fused_backward(
     *,
     is_causal: bool,
     scale: float,
+    attn_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fused_forward` given any (out, lse): with the merged output and the global lse
     (minus the part's constant bias) it returns exactly this part's share of dq, dk, dv, because the
-    kernel forms ``p = exp(scale * q . k - lse)`` and ``D = dO . out`` from what it is given."""
+    kernel forms ``p = exp(scale * q . k - lse)`` and ``D = dO . out`` from what it is given. ``attn_mask``:
+    the one given to :func:`fused_forward`."""
     dtype = query.dtype
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out.to(dtype), query, key, value, out.to(dtype), lse,
-        0.0, is_causal, attn_mask=None, scale=scale,
+        0.0, is_causal, attn_mask=attn_mask, scale=scale,
     )

@@ -22,8 +22,9 @@ Sources: the bucket saturation of T5 (Raffel et al. 2020, JMLR 21(140), §2.1) a
 Flash-Decoding (Dao et al. 2022, 2023); the backward formulas of FlashAttention (Dao et al. 2022, Alg. 2).
 
 Requirements (the dispatcher checks them and says why when one fails): an offset-only bias with a
-``far_constant_distance()``, no ``mask``, and a device with a fused kernel that exposes its
-log-sum-exp (CPU here).
+``far_constant_distance()``, no ``mask`` or a bool key padding mask (query dimension 1: padded keys are
+hidden in every part, through the fused kernel's additive ``attn_mask`` and in the band tiles), and a device
+with a fused kernel that exposes its log-sum-exp (CPU here).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from ._tiled import TileProblem, tiled_backward, tiled_forward
 from ._tiles import NativeSource
 from .blockwise import all_finite, blockwise_attention, compute_dtype
 
-__all__ = ["BLOCK_Q", "far_distance", "far_parts", "structured_attention"]
+__all__ = ["BLOCK_Q", "far_distance", "far_parts", "key_padding_mask", "structured_attention"]
 
 #: Default query rows per band tile (tokens); a band tile spans BLOCK_Q + 2T - 2 keys.
 BLOCK_Q = 64
@@ -106,30 +107,83 @@ def far_parts(alignment: Alignment, distance: int, is_causal: bool) -> list[tupl
 HEAD_GROUP = 2
 
 
-def _run_part(q, k, v, mode, scale):
+def key_padding_mask(mask: torch.Tensor | None, key_len: int) -> torch.Tensor | None:
+    """The (Bm, Hm, Lk) bool view of ``mask`` when it is a key padding mask, else None.
+
+    A key padding mask is bool (True = may attend) and, made 4-D by leading size-1 dimensions as
+    :func:`relbias.attention` broadcasts it, has query dimension 1: (B or 1, H or 1, 1, Lk or 1). Bm, Hm
+    are its batch and head sizes (1 or B, 1 or H); a key dimension of 1 is expanded to ``key_len``.
+    """
+    if mask is None or mask.dtype != torch.bool or mask.dim() > 4:
+        return None
+    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if mask.shape[2] != 1:
+        return None
+    return mask[:, :, 0].expand(mask.shape[0], mask.shape[1], key_len)
+
+
+def _empty_rows(keep: torch.Tensor, mode: str, rows: int) -> torch.Tensor:
+    """(Bm, Hm, rows or 1) bool: the part's rows that see no unpadded key, from its (Bm, Hm, keys) key mask."""
+    if mode == "full":
+        return ~keep.any(dim=-1, keepdim=True)
+    seen = keep.flip(-1).cumsum(-1).flip(-1) if mode == "upper" else keep.cumsum(-1)  # square parts: rows == keys
+    return seen[..., :rows] == 0
+
+
+def _additive(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The fused kernel's attn_mask for a (Bm, Hm, keys) key mask: (Bm, Hm, 1, keys), 0 / -inf, in ``dtype``."""
+    if keep is None:
+        return None
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)[:, :, None]
+
+
+def _heads(mask: torch.Tensor | None, heads: slice) -> torch.Tensor | None:
+    """Mirror (along keys) the heads ``heads`` of a (Bm, Hm, 1, keys) mask; Hm = 1 broadcasts."""
+    if mask is None:
+        return None
+    return (mask[:, heads] if mask.shape[1] > 1 else mask).flip(-1)
+
+
+def _run_part(q, k, v, mode, scale, keep=None):
     """(out (B, H, rows, Dv) input dtype, or float32 for float16 inputs; lse (B, H, rows) float) of one far part.
 
-    float16 parts run on float64 copies (see :func:`structured_attention`).
+    float16 parts run on float64 copies (see :func:`structured_attention`). ``keep``: the part's
+    (Bm, Hm, keys) key padding mask or None; rows that see no kept key get out 0 and lse -inf.
     """
     if q.dtype == torch.float16:
         q, k, v = q.double(), k.double(), v.double()
+    mask = _additive(keep, q.dtype)
     if mode != "upper":
-        return fused_forward(q, k, v, is_causal=mode == "lower", scale=scale)
-    outs, lses = [], []
-    for h0 in range(0, q.shape[1], HEAD_GROUP):  # mirror, run top-left causal, mirror back
-        heads = slice(h0, h0 + HEAD_GROUP)
-        o, l = fused_forward(q[:, heads].flip(2), k[:, heads].flip(2), v[:, heads].flip(2), is_causal=True, scale=scale)
-        outs.append(o.flip(2))
-        lses.append(l.flip(2))
-    return torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+        out, lse = fused_forward(q, k, v, is_causal=mode == "lower", scale=scale, attn_mask=mask)
+    else:
+        outs, lses = [], []
+        for h0 in range(0, q.shape[1], HEAD_GROUP):  # mirror, run top-left causal, mirror back
+            heads = slice(h0, h0 + HEAD_GROUP)
+            o, l = fused_forward(
+                q[:, heads].flip(2), k[:, heads].flip(2), v[:, heads].flip(2), is_causal=True, scale=scale,
+                attn_mask=_heads(mask, heads),
+            )
+            outs.append(o.flip(2))
+            lses.append(l.flip(2))
+        out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=1)
+    if keep is not None:  # the kernel returns lse 0 (not -inf) for rows whose every key is masked
+        empty = _empty_rows(keep, mode, q.shape[2])
+        lse = lse.masked_fill(empty, _NEG_INF)
+        out = out.masked_fill(empty[..., None], 0.0)
+    return out, lse
 
 
-def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv):
-    """Add this part's share of the gradients into the (B, H, rows / keys, D) slices dq, dk, dv."""
+def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv, keep=None):
+    """Add this part's share of the gradients into the (B, H, rows / keys, D) slices dq, dk, dv.
+
+    ``lse``: the global log-sum-exp minus the part's constant, +inf on rows that must get no gradient
+    (then the kernel's ``p = exp(s - lse)`` is 0). ``keep``: as :func:`_run_part`.
+    """
     if q.dtype == torch.float16:  # as in _run_part
         q, k, v = q.double(), k.double(), v.double()
+    mask = _additive(keep, q.dtype)
     if mode != "upper":
-        gq, gk, gv = fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale)
+        gq, gk, gv = fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale, attn_mask=mask)
         dq += gq
         dk += gk
         dv += gv
@@ -138,7 +192,7 @@ def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv):
         hs = slice(h0, h0 + HEAD_GROUP)
         gq, gk, gv = fused_backward(
             do[:, hs].flip(2), q[:, hs].flip(2), k[:, hs].flip(2), v[:, hs].flip(2), out[:, hs].flip(2),
-            lse[:, hs].flip(2), is_causal=True, scale=scale,
+            lse[:, hs].flip(2), is_causal=True, scale=scale, attn_mask=_heads(mask, hs),
         )
         dq[:, hs] += gq.flip(2)
         dk[:, hs] += gk.flip(2)
@@ -157,7 +211,7 @@ def _merge(out, lse, rows, part_out, part_lse):
 
 class _StructuredFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, values, problem: TileProblem, parts, const_index, bias_scale):
+    def forward(ctx, query, key, value, values, problem: TileProblem, parts, const_index, bias_scale, keep):
         compute = problem.compute
         consts = values.detach().to(compute)[:, const_index] * bias_scale  # (Hb, 2): past, future
         b, h, lq, _ = query.shape
@@ -165,7 +219,8 @@ class _StructuredFunction(torch.autograd.Function):
         lse = torch.full((b, h, lq), _NEG_INF, dtype=compute, device=query.device)
         kept, part_lse = [], []
         for t0, t1, s0, s1, mode, direction in parts:  # far parts first: nothing else is alive yet
-            o_p, l_p = _run_part(query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], mode, problem.scale)
+            part_keep = None if keep is None else keep[:, :, s0:s1]
+            o_p, l_p = _run_part(query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], mode, problem.scale, part_keep)
             l_p = l_p.to(compute) + consts[:, direction, None]  # (B, H, rows) + (Hb, 1)
             _merge(out, lse, slice(t0, t1), o_p.to(compute), l_p)
             part_lse.append(l_p)
@@ -177,7 +232,7 @@ class _StructuredFunction(torch.autograd.Function):
         del out_band, lse_band
         ctx.save_for_backward(query, key, value, values, out, lse, *kept, *part_lse)
         ctx.problem, ctx.parts, ctx.const_index, ctx.bias_scale = problem, parts, const_index, bias_scale
-        ctx.kept, ctx.consts = bool(kept), consts
+        ctx.kept, ctx.consts, ctx.keep = bool(kept), consts, keep
         return out.to(query.dtype)
 
     @staticmethod
@@ -200,12 +255,16 @@ class _StructuredFunction(torch.autograd.Function):
             rows_lse = lse[:, :, t0:t1]
             # The kernel forms p = exp(scale q.k - lse): given lse - c_p, p is the global probability.
             kernel_lse = rows_lse - ctx.consts[:, direction, None]
+            part_keep = None if ctx.keep is None else ctx.keep[:, :, s0:s1]
+            if part_keep is not None:  # rows seeing no key here, or none anywhere (lse -inf): p = 0
+                kernel_lse = kernel_lse.masked_fill(_empty_rows(part_keep, mode, t1 - t0) | (rows_lse == _NEG_INF), float("inf"))
             _part_backward(
                 do[:, :, t0:t1], query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], out[:, :, t0:t1],
-                kernel_lse, mode, problem.scale, dq[:, :, t0:t1], dk[:, :, s0:s1], dv[:, :, s0:s1],
+                kernel_lse, mode, problem.scale, dq[:, :, t0:t1], dk[:, :, s0:s1], dv[:, :, s0:s1], part_keep,
             )
             if o_p is not None:
-                per_row = torch.exp(l_p - rows_lse) * ((do[:, :, t0:t1] * o_p.to(compute)).sum(-1) - row_dot[:, :, t0:t1])
+                weight = torch.exp(l_p - rows_lse).masked_fill(l_p == _NEG_INF, 0.0)  # a part a row does not see: 0
+                per_row = weight * ((do[:, :, t0:t1] * o_p.to(compute)).sum(-1) - row_dot[:, :, t0:t1])
                 per_head = per_row.sum(dim=(0, 2))  # (H,)
                 dconst[:, direction] += per_head.sum(0, keepdim=True) if values.shape[0] == 1 else per_head
         grad_values = None
@@ -213,7 +272,7 @@ class _StructuredFunction(torch.autograd.Function):
             grad_values = source.native_grad().to(values.dtype)
             for direction in (0, 1):
                 grad_values[:, ctx.const_index[direction]] += (dconst[:, direction] * ctx.bias_scale).to(values.dtype)
-        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_values, None, None, None, None
+        return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_values, None, None, None, None, None
 
 
 def structured_attention(
@@ -240,24 +299,35 @@ def structured_attention(
     the merge weights, where the reference (one softmax) stays near 1e-7. float16 inputs therefore run
     in float64; float32 inputs with such scores are better served by the blockwise backend.
 
+    ``mask``: None or a key padding mask (see :func:`key_padding_mask`), bool (B or 1, H or 1, 1, Lk),
+    True = may attend. Padded keys are hidden from the fused far parts (as their additive attn_mask) and
+    from the band tiles; a row that sees no key gets output 0 and zero gradients.
+
     Raises:
-        ValueError: ``mask`` is given, or ``bias`` has no far constant (see :func:`far_distance`); the
+        ValueError: ``mask`` is not a key padding mask (float masks and masks with a query dimension go to
+            the blockwise backend), or ``bias`` has no far constant (see :func:`far_distance`); the
             dispatcher routes such calls elsewhere.
     """
-    if mask is not None:
-        raise ValueError("the structured backend takes no mask (padding masks go to the blockwise backend)")
+    keep = key_padding_mask(mask, key.shape[2])
+    if mask is not None and keep is None:
+        raise ValueError(
+            f"the structured backend takes only a bool key padding mask (B or 1, H or 1, 1, Lk); got "
+            f"{mask.dtype} of shape {tuple(mask.shape)} (such masks go to the blockwise backend)"
+        )
     distance = far_distance(bias)
     if distance is None:
         raise ValueError(f"{type(bias).__name__} is not constant beyond a distance; the structured backend needs that")
     batch, heads, _, head_dim = query.shape
     if 0 in (batch, heads, head_dim, value.shape[-1]) or not all_finite(key, value):
-        # Nothing to split (the CPU flash kernel divides by zero on zero heads), or NaN/inf keys or values,
-        # which fused kernels spread to queries that cannot see them (0 * inf): the blockwise backend
-        # returns the empty result / confines them to the queries that see them.
+        # Nothing to split (the CPU flash kernel divides by zero on zero heads), or NaN/inf keys or values
+        # (padded ones included), which fused kernels spread to queries that cannot see them (0 * inf):
+        # the blockwise backend returns the empty result / confines them to the queries that see them.
         return blockwise_attention(
-            query, key, value, bias=bias, mask=None, is_causal=is_causal, scale=scale, convention=convention,
+            query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
             alignment=alignment,
         )
+    if keep is not None and bool(keep.all()):
+        keep = None  # nothing padded
     # float16 runs in float64: T5's unscaled scores exceed float16's range (design.md, Numerics), and
     # merging parts by their log-sum-exp loses |score| x 2^-24 in float32 (0.004 at scores of 6e4).
     compute = torch.float64 if query.dtype == torch.float16 else compute_dtype(query.dtype)
@@ -273,9 +343,9 @@ def structured_attention(
     # Column of each far constant: offset T (past) and -T (future), moved inside the block's offsets.
     const_index = [min(max(distance, lo), hi) - lo, min(max(-distance, lo), hi) - lo]
     band = TileProblem(
-        query, key, value, scale, source, None, is_causal, delta,
+        query, key, value, scale, source, None if keep is None else keep[:, :, None], is_causal, delta,
         min_offset=-(distance - 1), max_offset=distance - 1, block_q=block_q, block_k=block_q + 2 * distance,
         compute=compute,
     )
     parts = far_parts(alignment, distance, is_causal)
-    return _StructuredFunction.apply(query, key, value, values, band, parts, const_index, bias_scale)
+    return _StructuredFunction.apply(query, key, value, values, band, parts, const_index, bias_scale, keep)
