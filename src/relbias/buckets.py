@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from ._validate import check_int
+
 __all__ = ["t5_bucket", "validate_t5_buckets", "t5_bucket_ranges"]
 
 # Distances beyond this never open a new bucket in any valid configuration we check: the increments
@@ -42,9 +44,8 @@ def validate_t5_buckets(*, bidirectional: bool, num_buckets: int, max_distance: 
     """
     if not isinstance(bidirectional, bool):
         raise TypeError(f"bidirectional must be a bool, got {bidirectional!r}")
-    for name, value in (("num_buckets", num_buckets), ("max_distance", max_distance)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    check_int("num_buckets", num_buckets)
+    check_int("max_distance", max_distance)
     if bidirectional:
         if num_buckets < 4:
             raise ValueError(

@@ -15,18 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ._validate import check_int
+
 __all__ = ["Alignment", "resolve_alignment", "relative_offsets"]
 
 
 _INT64_MAX = 2**63 - 1
-
-
-def _check_int(name: str, value: object, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -99,12 +93,12 @@ def resolve_alignment(
         TypeError: a length or position is not an int (bools are rejected).
         ValueError: a length is negative; positions or offsets beyond int64.
     """
-    _check_int("query_len", query_len, minimum=0)
-    _check_int("key_len", key_len, minimum=0)
-    _check_int("key_start", key_start)
+    check_int("query_len", query_len, minimum=0)
+    check_int("key_len", key_len, minimum=0)
+    check_int("key_start", key_start)
     if query_start is None:
         query_start = key_start + key_len - query_len
-    _check_int("query_start", query_start)
+    check_int("query_start", query_start)
     alignment = Alignment(query_len, key_len, query_start, key_start)
     extremes = (query_start, key_start, query_start + query_len, key_start + key_len, alignment.min_offset,
                 alignment.max_offset)

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from .._validate import check_int
 from .base import RelativeBias
 
 __all__ = ["ALiBiBias", "alibi_slopes"]
-
-
-def _check_num_heads(num_heads: object) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise TypeError(f"num_heads must be an int, got {num_heads!r}")
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-    return num_heads
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -40,7 +33,7 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         >>> alibi_slopes(4).tolist()
         [0.25, 0.0625, 0.015625, 0.00390625]
     """
-    _check_num_heads(num_heads)
+    check_int("num_heads", num_heads, minimum=1)
 
     def geometric(n: int) -> list[float]:  # n a power of two
         return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
@@ -87,7 +80,7 @@ class ALiBiBias(RelativeBias):
 
     def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
         super().__init__()
-        _check_num_heads(num_heads)
+        check_int("num_heads", num_heads, minimum=1)
         if not isinstance(bidirectional, bool):
             raise TypeError(f"bidirectional must be a bool, got {bidirectional!r}")
         self.num_heads = num_heads

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from .._validate import check_int
 from .base import RelativeBias
 
 __all__ = ["FIREBias"]
@@ -79,11 +80,8 @@ class FIREBias(RelativeBias):
         eps: float = 1e-6,
     ) -> None:
         super().__init__()
-        for name, value in (("num_heads", num_heads), ("hidden_width", hidden_width)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_int("num_heads", num_heads, minimum=1)
+        check_int("hidden_width", hidden_width, minimum=1)
         if not isinstance(bidirectional, bool):
             raise TypeError(f"bidirectional must be a bool, got {bidirectional!r}")
         for name, value in (("init_c", init_c), ("init_threshold", init_threshold)):

@@ -20,20 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .._validate import check_int
 from .base import RelativeBias
 
 __all__ = ["KerpleLogBias", "KerplePowerBias"]
 
 #: Smallest value a random initialisation draws (the authors clamp their parameters at 1e-2 too).
 _INIT_EPS = 1e-2
-
-
-def _check_num_heads(num_heads: object) -> int:
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise TypeError(f"num_heads must be an int, got {num_heads!r}")
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
-    return num_heads
 
 
 def _initial(
@@ -76,7 +69,7 @@ class _KerpleBias(RelativeBias):
         init_r2: float | Sequence[float] | None = None,
     ) -> None:
         super().__init__()
-        _check_num_heads(num_heads)
+        check_int("num_heads", num_heads, minimum=1)
         if not isinstance(bidirectional, bool):
             raise TypeError(f"bidirectional must be a bool, got {bidirectional!r}")
         self.num_heads = num_heads

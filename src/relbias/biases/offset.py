@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._validate import check_int
 from .base import TableBias
 
 __all__ = ["PerOffsetBias"]
@@ -54,11 +55,8 @@ class PerOffsetBias(TableBias):
         init_std: float = 0.0,
     ) -> None:
         super().__init__()
-        for name, value in (("max_len", max_len), ("num_heads", num_heads)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        check_int("max_len", max_len, minimum=1)
+        check_int("num_heads", num_heads, minimum=1)
         if out_of_range not in _POLICIES:
             raise ValueError(f"out_of_range must be one of {_POLICIES}, got {out_of_range!r}")
         if not isinstance(bidirectional, bool):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._validate import check_int
 from ..buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
 from .base import TableBias
 
@@ -47,10 +48,7 @@ class T5Bias(TableBias):
         init_std: float = 512**-0.5,
     ) -> None:
         super().__init__()
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-            raise TypeError(f"num_heads must be an int, got {num_heads!r}")
-        if num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+        check_int("num_heads", num_heads, minimum=1)
         if init_std < 0:
             raise ValueError(f"init_std must be >= 0, got {init_std}")
         validate_t5_buckets(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
