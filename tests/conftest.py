@@ -5,6 +5,9 @@ import warnings
 
 import pytest
 import torch
+from torch import nn
+
+import relbias
 
 from relbias.backends import blockwise, flex, structured
 
@@ -36,3 +39,43 @@ def small_tiles(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # eager FlexAttention warns that it is unfused
         yield
+
+
+class _Attend(nn.Module):
+    """Reference attention as a module, so that torch.func.functional_call can swap the bias parameters."""
+
+    def __init__(self, bias, is_causal):
+        super().__init__()
+        self.bias, self.is_causal = bias, is_causal
+
+    def forward(self, q, k, v):
+        return relbias.attention(q, k, v, bias=self.bias, is_causal=self.is_causal, backend="reference")
+
+
+def _bias_gradcheck(bias, q, k, v, *, is_causal, wrt_qkv=False):
+    """float64 gradcheck of reference attention w.r.t. every bias parameter (and q, k, v when asked).
+
+    Returns (parameter names, the checked function of the parameters, the parameter copies) so that a test
+    can assert which parameters were covered or inspect their gradients; gradcheck raises on a mismatch.
+    """
+    module = _Attend(bias, is_causal)
+    names = [n for n, _ in module.named_parameters()]
+    params = tuple(p.detach().clone().requires_grad_() for _, p in module.named_parameters())
+
+    def fn(*ps):
+        return torch.func.functional_call(module, dict(zip(names, ps)), (q, k, v))
+
+    if wrt_qkv:
+        qkv = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+        assert torch.autograd.gradcheck(
+            lambda q, k, v, *ps: torch.func.functional_call(module, dict(zip(names, ps)), (q, k, v)), (*qkv, *params)
+        )
+    else:
+        assert torch.autograd.gradcheck(fn, params)
+    return names, fn, params
+
+
+@pytest.fixture
+def bias_gradcheck():
+    """The function :func:`_bias_gradcheck`."""
+    return _bias_gradcheck

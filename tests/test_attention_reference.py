@@ -197,7 +197,6 @@ def test_half_precision_t5_scores_beyond_fp16_range_stay_finite(dtype):
     q = q * 80
     k = k * 80
     bias = T5Bias(3, init_std=1.0)
-    ref = relbias.attention(q, k, v, bias=bias)
     assert (q @ k.transpose(-1, -2)).abs().max() > 70000
     out = relbias.attention(q.to(dtype), k.to(dtype), v.to(dtype), bias=bias)
     assert out.dtype == dtype and torch.isfinite(out).all()
@@ -228,27 +227,11 @@ def _families():
     ]
 
 
-class _Attend(nn.Module):
-    def __init__(self, bias, is_causal):
-        super().__init__()
-        self.bias, self.is_causal = bias, is_causal
-
-    def forward(self, q, k, v):
-        return relbias.attention(q, k, v, bias=self.bias, is_causal=self.is_causal)
-
-
 @pytest.mark.parametrize("name, bias, is_causal", _families(), ids=[f[0] for f in _families()])
-def test_float64_gradcheck_for_query_key_value_and_every_bias_parameter(name, bias, is_causal):
-    q, k, v = (t.requires_grad_() for t in qkv(b=1, h=2, lq=4, lk=5, d=3, dv=2, dtype=torch.float64))
-    module = _Attend(bias, is_causal)
-    names = [n for n, _ in module.named_parameters()]
-    params = tuple(p.detach().clone().requires_grad_() for _, p in module.named_parameters())
-    assert params
-
-    def fn(q, k, v, *ps):
-        return torch.func.functional_call(module, dict(zip(names, ps)), (q, k, v))
-
-    assert torch.autograd.gradcheck(fn, (q, k, v, *params))
+def test_float64_gradcheck_for_query_key_value_and_every_bias_parameter(name, bias, is_causal, bias_gradcheck):
+    q, k, v = qkv(b=1, h=2, lq=4, lk=5, d=3, dv=2, dtype=torch.float64)
+    names, _, _ = bias_gradcheck(bias, q, k, v, is_causal=is_causal, wrt_qkv=True)
+    assert names
 
 
 def test_nan_in_padded_keys_and_values_does_not_leak():

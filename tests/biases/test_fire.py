@@ -4,9 +4,7 @@ import math
 
 import pytest
 import torch
-from torch import nn
 
-import relbias
 from relbias import FIREBias
 from relbias.biases import make_bias
 
@@ -57,29 +55,13 @@ def test_native_form_is_refused_and_forward_uses_absolute_positions():
     assert torch.equal(bias(2, 6), full[:, 4:])  # default alignment: queries at the last keys
 
 
-class _Attend(nn.Module):
-    def __init__(self, bias, is_causal):
-        super().__init__()
-        self.bias, self.is_causal = bias, is_causal
-
-    def forward(self, q, k, v):
-        return relbias.attention(q, k, v, bias=self.bias, is_causal=self.is_causal, backend="reference")
-
-
 @pytest.mark.parametrize("bidirectional", [False, True])
-def test_gradients_of_mlp_c_and_threshold_match_finite_differences(bidirectional):
+def test_gradients_of_mlp_c_and_threshold_match_finite_differences(bidirectional, bias_gradcheck):
     # Threshold 2.5 lies between positions, so queries on both sides of it (max(L, i) is smooth there).
     bias = FIREBias(2, bidirectional=bidirectional, hidden_width=3, init_c=0.5, init_threshold=2.5).double()
-    module = _Attend(bias, is_causal=not bidirectional)
     q, k, v = (torch.randn(1, 2, 5, 3, dtype=torch.float64) for _ in range(3))
-    names = [n for n, _ in module.named_parameters()]
-    params = tuple(p.detach().clone().requires_grad_() for _, p in module.named_parameters())
+    names, fn, params = bias_gradcheck(bias, q, k, v, is_causal=not bidirectional)
     assert {"bias.log_c", "bias.log_threshold"} <= set(names)
-
-    def fn(*ps):
-        return torch.func.functional_call(module, dict(zip(names, ps)), (q, k, v))
-
-    assert torch.autograd.gradcheck(fn, params)
     fn(*params).sum().backward()
     grads = dict(zip(names, (p.grad for p in params)))
     assert grads["bias.log_threshold"].abs() > 0 and grads["bias.log_c"].abs() > 0  # both really learn
