@@ -7,6 +7,7 @@ import math
 import torch
 
 from .biases.base import CONVENTIONS, RelativeBias
+from .positions import Alignment, resolve_alignment
 
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -114,3 +115,45 @@ def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int
     check_broadcast("mask", mask, target, "(batch, num_heads, query_len, key_len)")
     if mask.is_floating_point() and bool((torch.isnan(mask) | (mask == float("inf"))).any()):
         raise ValueError("a float mask may hold finite values and -inf only; it contains NaN or +inf")
+
+
+def check_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: object,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    query_start: int | None,
+    key_start: int,
+) -> Alignment:
+    """Every check :func:`relbias.attention` (and ``explain_backend``) makes before choosing a backend.
+
+    Returns the call's :class:`Alignment`; raises TypeError / ValueError as ``relbias.attention`` documents.
+    """
+    check_qkv(query, key, value)
+    batch, heads, query_len, _ = query.shape
+    target = (batch, heads, query_len, key.shape[2])
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    alignment = resolve_alignment(query_len, key.shape[2], query_start=query_start, key_start=key_start)
+    check_bias(bias, query, target)
+    check_mask(mask, query, target)
+    if isinstance(bias, RelativeBias) and not bias.bidirectional:
+        _check_no_visible_future(mask, is_causal, alignment, query.device)
+    return alignment
+
+
+def _check_no_visible_future(mask, is_causal, alignment, device) -> None:
+    """A causal-only bias has no value for future keys: some mask must hide every one of them."""
+    if is_causal or alignment.min_offset >= 0:
+        return
+    future = alignment.offsets(device) < 0
+    if mask is not None:
+        future = future & (mask if mask.dtype == torch.bool else mask != float("-inf"))
+    if bool(future.any()):
+        raise ValueError(
+            "the bias is causal (bidirectional=False) and has no value for future keys (offset i - j < 0), "
+            "but some future key is visible; pass is_causal=True or a mask that hides future keys"
+        )

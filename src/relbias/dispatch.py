@@ -23,7 +23,7 @@ from .backends._fused import fused_available
 from .backends.flex import flex_available
 from .backends.structured import far_distance, key_padding_mask
 from .biases.base import RelativeBias
-from .positions import Alignment, resolve_alignment
+from .positions import Alignment
 
 __all__ = ["AUTO_REFERENCE_MAX_SCORES", "check_backend", "choose_backend", "explain_backend"]
 
@@ -173,12 +173,9 @@ def explain_backend(
         >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]
         'structured'
     """
-    _checks.check_qkv(query, key, value)
-    batch, heads, query_len, _ = query.shape
-    target = (batch, heads, query_len, key.shape[2])
-    alignment = resolve_alignment(query_len, key.shape[2], query_start=query_start, key_start=key_start)
-    _checks.check_bias(bias, query, target)
-    _checks.check_mask(mask, query, target)
+    alignment = _checks.check_call(
+        query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
+    )
     return resolve_backend(backend, query, key, value, bias=bias, mask=mask, is_causal=is_causal, alignment=alignment)
 
 

@@ -8,7 +8,6 @@ from . import _checks
 from .backends import BACKENDS
 from .dispatch import resolve_backend
 from .biases.base import RelativeBias
-from .positions import resolve_alignment
 
 __all__ = ["attention"]
 
@@ -92,36 +91,12 @@ def attention(
         >>> out.shape
         torch.Size([1, 8, 16, 64])
     """
-    _checks.check_qkv(query, key, value)
-    batch, heads, query_len, head_dim = query.shape
-    key_len = key.shape[2]
-    target = (batch, heads, query_len, key_len)
-    if not isinstance(is_causal, bool):
-        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-    alignment = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
-    _checks.check_bias(bias, query, target)
-    _checks.check_mask(mask, query, target)
-    convention, scale = _checks.resolve_convention(convention, bias, scale, head_dim)
-    if backend != "auto" and backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; available: {['auto', *sorted(BACKENDS)]}")
-    if isinstance(bias, RelativeBias) and not bias.bidirectional:
-        _check_no_visible_future(mask, is_causal, alignment, query.device)
+    alignment = _checks.check_call(
+        query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
+    )
+    convention, scale = _checks.resolve_convention(convention, bias, scale, query.shape[-1])
     name, _ = resolve_backend(backend, query, key, value, bias=bias, mask=mask, is_causal=is_causal, alignment=alignment)
     return BACKENDS[name](
         query, key, value,
         bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention, alignment=alignment,
     )
-
-
-def _check_no_visible_future(mask, is_causal, alignment, device) -> None:
-    """A causal-only bias has no value for future keys: some mask must hide every one of them."""
-    if is_causal or alignment.min_offset >= 0:
-        return
-    future = alignment.offsets(device) < 0
-    if mask is not None:
-        future = future & (mask if mask.dtype == torch.bool else mask != float("-inf"))
-    if bool(future.any()):
-        raise ValueError(
-            "the bias is causal (bidirectional=False) and has no value for future keys (offset i - j < 0), "
-            "but some future key is visible; pass is_causal=True or a mask that hides future keys"
-        )
