@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._validate import check_int
+from ._int_args import check_int
 
 __all__ = ["t5_bucket", "validate_t5_buckets", "t5_bucket_ranges"]
 

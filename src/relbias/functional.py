@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from . import _checks
-from .backends import BACKENDS
-from .dispatch import resolve_backend
 from .biases.base import RelativeBias
+from .call import make_call
+from .dispatch import resolve_backend
 
 __all__ = ["attention"]
 
@@ -25,7 +24,8 @@ def attention(
     query_start: int | None = None,
     key_start: int = 0,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
     ``alpha(i, j) = softmax_j(score(i, j))`` with, by score convention (docs/conventions.md):
@@ -60,14 +60,20 @@ def attention(
             PerOffsetBias / FunctionBias: "seed"), and "seed" for a tensor bias or no bias.
         query_start: absolute position (tokens) of the first query.
         key_start: absolute position (tokens) of the first key.
-        backend: "auto" (default): :func:`relbias.dispatch.choose_backend` picks by device, dtype, grad
-            mode, bias family and shape (:func:`relbias.explain_backend` says which and why);
-            "reference": materialises the scores, the oracle; "blockwise": tiled, memory O(N·D), every
-            bias module and mask; "structured": far-constant biases (T5, clipped per-offset) without a
-            mask, fused bias-free far parts plus a tiled band (CPU); "flex": FlexAttention, compiled.
+        backend: "auto" (default): the small-block rule, then the first backend in
+            ``relbias.backends.BACKENDS`` (priority order) that can run the call
+            (:func:`relbias.explain_backend` says which and why); or a name: "reference" materialises the
+            scores, the oracle; "blockwise": tiled, memory O(N·D), every bias module and mask;
+            "structured": far-constant biases (T5, clipped per-offset) with no mask or a key padding mask,
+            fused bias-free far parts plus a tiled band (CPU); "flex": FlexAttention, compiled.
+        return_lse: also return the log-sum-exp of each query's scores (default False).
 
     Returns:
-        (B, H, Lq, Dv) in the dtype of ``query``. Softmax and its accumulations run in float32 (float64
+        out (B, H, Lq, Dv) in the dtype of ``query``; with ``return_lse=True`` the pair ``(out, lse)``,
+        lse (B, H, Lq) float32 (float64 for float64 inputs): the natural log-sum-exp of each query's scores
+        over its visible keys (scale, bias and additive mask included), ``-inf`` for a query with no
+        visible key; both differentiable. Two calls over disjoint key sets merge exactly:
+        ``m = logaddexp(lse_1, lse_2)``, ``out = out_1 * exp(lse_1 - m) + out_2 * exp(lse_2 - m)``. Softmax and its accumulations run in float32 (float64
         for float64 inputs). A query with no visible key returns zeros, with finite (zero) gradients.
         Keys that no query can see (padding) contribute nothing even if their key or value holds
         NaN/inf; NaN/inf in a query, or in a key or value that a query can see, propagate to that
@@ -75,11 +81,11 @@ def attention(
 
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,
-            a non-float bias tensor, non-int positions.
+            a non-float bias tensor, non-int positions, a non-bool ``return_lse``.
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
             nor H; a non-finite bias tensor; a float mask with NaN or +inf; a non-positive scale, or a
-            scale other than 1 with "t5"; an unknown convention or backend; a named backend that cannot
+            scale other than 1 with "t5"; an unknown convention or backend;  a named backend that cannot
             run the call (the message says why); arguments on different
             devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;
             offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off).
@@ -91,12 +97,10 @@ def attention(
         >>> out.shape
         torch.Size([1, 8, 16, 64])
     """
-    alignment = _checks.check_call(
-        query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
+    call = make_call(
+        query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
+        query_start=query_start, key_start=key_start, return_lse=return_lse,
     )
-    convention, scale = _checks.resolve_convention(convention, bias, scale, query.shape[-1])
-    name, _ = resolve_backend(backend, query, key, value, bias=bias, mask=mask, is_causal=is_causal, alignment=alignment)
-    return BACKENDS[name](
-        query, key, value,
-        bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention, alignment=alignment,
-    )
+    chosen, _ = resolve_backend(backend, call)
+    out, lse = chosen.forward(call)
+    return (out, lse) if return_lse else out

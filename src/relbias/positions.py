@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import check_int
+from ._int_args import check_int
 
 __all__ = ["Alignment", "resolve_alignment", "relative_offsets"]
 

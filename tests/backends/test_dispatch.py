@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import relbias
-from relbias.backends import _band, structured
-from relbias.backends._tiles import diagonal_sums
+from relbias.backends import _band_interior, structured
+from relbias.backends._bias_tiles import diagonal_sums
 from relbias.biases import FAMILIES, make_bias
 
 
@@ -25,7 +25,7 @@ def test_auto_takes_structured_for_a_key_padding_mask():
     mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
     mask[1, ..., 4000:] = False
     name, reason = relbias.explain_backend(*[x.expand(2, -1, -1, -1) for x in _qkv()], bias=relbias.T5Bias(8), mask=mask)
-    assert name == "structured" and "key padding mask" in reason
+    assert name == "structured" and "far-constant" in reason
 
 
 @pytest.mark.parametrize(
@@ -120,14 +120,14 @@ def test_diagonal_sums_match_a_loop():
 
 def test_structured_batches_interior_band_blocks(monkeypatch, small_tiles):
     calls = []
-    original = _band.interior_backward
+    original = _band_interior.interior_backward
 
     def spy(*args, **kwargs):
         calls.append(args[-3:])  # (first, stop, window)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(_band, "interior_backward", spy)
-    monkeypatch.setattr("relbias.backends._tiled.interior_backward", spy)
+    monkeypatch.setattr(_band_interior, "interior_backward", spy)
+    monkeypatch.setattr("relbias.backends._tiled_kernel.interior_backward", spy)
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
     q, k, v = (torch.randn(1, 2, 90, 8, requires_grad=True) for _ in range(3))
     out = relbias.attention(q, k, v, bias=bias, backend="structured")

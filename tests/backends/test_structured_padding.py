@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import relbias
-from relbias.backends import _band, _tiled
+from relbias.backends import _band_interior, _tiled_kernel
 
 
 def _padding(batch, key_len):
@@ -33,8 +33,8 @@ def _run(backend, q, k, v, bias, mask, is_causal, grad_out):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_padded_structured_equals_the_reference_with_empty_rows_zero(is_causal, dtype, small_tiles, monkeypatch):
     calls = []
-    original = _band.interior_forward
-    monkeypatch.setattr(_tiled, "interior_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    original = _band_interior.interior_forward
+    monkeypatch.setattr(_tiled_kernel, "interior_forward", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     torch.manual_seed(0)
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16, bidirectional=not is_causal).to(dtype)
     with torch.no_grad():
@@ -58,14 +58,18 @@ def test_padded_structured_equals_the_reference_with_empty_rows_zero(is_causal, 
     assert bool((out[0, :, 50:80].abs().sum(-1) > 0).all())  # rows in the gap still see far keys 20..49
 
 
-def test_nan_and_inf_in_padded_keys_do_not_leak(small_tiles):
+def test_nan_and_inf_in_padded_keys_are_refused_by_structured_and_confined_by_what_auto_runs(small_tiles, monkeypatch):
     torch.manual_seed(1)
+    monkeypatch.setattr("relbias.dispatch.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
     q, k, v = (torch.randn(2, 2, 100, 8) for _ in range(3))
     mask = torch.arange(100) < 80
     k[:, :, 80:], v[:, :, 80:] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match="backend 'structured' cannot run this call: a key or value holds NaN/inf"):
+        relbias.attention(q, k, v, bias=bias, mask=mask, backend="structured")
+    assert relbias.explain_backend(q, k, v, bias=bias, mask=mask)[0] == "blockwise"  # the backend that runs
     with torch.no_grad():
-        got = relbias.attention(q, k, v, bias=bias, mask=mask, backend="structured")
+        got = relbias.attention(q, k, v, bias=bias, mask=mask)
         want = relbias.attention(q, k[:, :, :80], v[:, :, :80], bias=bias, query_start=0, backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from relbias.experiments import TrainConfig, check_reachable, evaluate_lengths, scored_bytes, train_model
-from relbias.nn import ByteLM, ByteLMConfig
+from relbias.experiments import ByteLM, ByteLMConfig
 
 TINY = dict(max_len=8, embed_dim=16, num_heads=2, num_layers=1)
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from relbias.biases import FAMILIES
-from relbias.nn import ByteLM, ByteLMConfig, KVCache, MultiheadAttention, StaticKVCache
+from relbias.experiments import ByteLM, ByteLMConfig
+from relbias.nn import KVCache, MultiheadAttention, StaticKVCache
 
 E, H, L = 32, 4, 12  # embed_dim, num_heads, sequence length (tokens)
 ATOL = 1e-5  # fp32

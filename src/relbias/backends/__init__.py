@@ -1,17 +1,7 @@
-"""Attention backends. Each takes validated inputs and the same keyword arguments as
-:func:`relbias.backends.reference.reference_attention`; :mod:`relbias.dispatch` chooses among them."""
+"""Attention backends behind one contract (:class:`Backend`), registered in priority order
+(:data:`BACKENDS`); :mod:`relbias.dispatch` chooses among them per call."""
 
-from .blockwise import blockwise_attention
-from .flex import flex_attention_backend
-from .reference import reference_attention
-from .structured import structured_attention
+from .base import Backend
+from .registry import BACKENDS, register_backend, unregister_backend
 
-#: name -> backend function; "auto" (relbias.dispatch) picks one per call.
-BACKENDS = {
-    "reference": reference_attention,
-    "blockwise": blockwise_attention,
-    "structured": structured_attention,
-    "flex": flex_attention_backend,
-}
-
-__all__ = ["BACKENDS", "blockwise_attention", "flex_attention_backend", "reference_attention", "structured_attention"]
+__all__ = ["BACKENDS", "Backend", "register_backend", "unregister_backend"]

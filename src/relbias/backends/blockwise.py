@@ -19,22 +19,19 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
+from ..call import AttentionCall
 from ..positions import Alignment
-from ._tiled import TileProblem, tiled_backward, tiled_forward
-from ._tiles import NativeSource, PairSource
+from ._bias_tiles import NativeSource, PairSource
+from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
+from .base import Backend
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "blockwise_attention", "make_source"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "BlockwiseBackend", "blockwise_attention", "make_source", "tensor_bias_reasons"]
 
 #: Default tile: queries x keys per step (tokens). Peak scratch is about 4 such float32 tiles x B x H.
 BLOCK_Q = 256
 BLOCK_K = 1024
 #: Tile side when keys or values hold NaN/inf (products are then summed per entry: (B, H, T, T, D) memory).
 CAREFUL_BLOCK = 32
-
-
-def all_finite(*tensors: torch.Tensor) -> bool:
-    """True when no tensor holds NaN/inf (always True on the meta device, which has no values)."""
-    return all(t.device.type == "meta" or bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -74,18 +71,23 @@ def make_source(bias, alignment: Alignment, convention: str, scale: float, compu
 
 
 class _BlockwiseFunction(torch.autograd.Function):
-    """Inputs: query, key, value, the problem's settings, then the bias tensors (native values or parameters)."""
+    """Inputs: query, key, value, the problem's settings, then the bias tensors (native values or parameters).
+
+    Outputs (out, lse); both differentiable: since ``d lse_i / d s_ij = p_ij``, a gradient ``g_i`` of the
+    lse enters the backward as ``D_i - g_i`` in place of ``D_i = dO_i . O_i``.
+    """
 
     @staticmethod
     def forward(ctx, query, key, value, problem: TileProblem, kind: str, *bias_inputs):
         out, lse = tiled_forward(problem)
         ctx.problem, ctx.kind = problem, kind
         ctx.save_for_backward(query, key, value, out, lse)
-        return out.to(query.dtype)
+        ctx.set_materialize_grads(False)
+        return out.to(query.dtype), lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
         problem: TileProblem = ctx.problem
         problem.query, problem.key, problem.value = query, key, value
@@ -95,8 +97,10 @@ class _BlockwiseFunction(torch.autograd.Function):
                 source.grad.zero_()
             else:
                 source.grads = [torch.zeros_like(g) for g in source.grads]
-        do = grad_out.to(problem.compute)
+        do = torch.zeros_like(out) if grad_out is None else grad_out.to(problem.compute)
         row_dot = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
+        if grad_lse is not None:
+            row_dot = row_dot - grad_lse.to(problem.compute).masked_fill(lse == float("-inf"), 0.0)
         dq, dk, dv = tiled_backward(problem, do, lse, row_dot)
         if ctx.kind == "native":
             bias_grads = [source.native_grad()]
@@ -107,37 +111,49 @@ class _BlockwiseFunction(torch.autograd.Function):
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, *bias_grads)
 
 
-def blockwise_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    bias: RelativeBias | None,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    convention: str,
-    alignment: Alignment,
-    block_q: int | None = None,
-    block_k: int | None = None,
-) -> torch.Tensor:
-    """Memory-efficient attention with a relative bias, tile by tile. Arguments are validated by the caller.
+def tensor_bias_reasons(call: AttentionCall) -> list[str]:
+    """Reasons shared by every backend that reads a bias module's native form and back-propagates itself."""
+    reasons = []
+    if isinstance(call.bias, torch.Tensor):
+        reasons.append("the bias is a tensor, already materialised (O(N^2)); only the reference takes it")
+    if call.mask is not None and call.mask.requires_grad and torch.is_grad_enabled():
+        reasons.append("the float mask requires grad; only the reference back-propagates into a mask")
+    return reasons
 
-    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
-    ``query``; formula and conventions as :func:`relbias.attention`. ``block_q`` / ``block_k``: tile sizes
-    (tokens), default :data:`BLOCK_Q` / :data:`BLOCK_K`. Peak extra memory: a few (B, H, block_q, block_k)
-    float32 tiles and O(B·H·L·D) accumulators.
+
+class BlockwiseBackend(Backend):
+    """Tiled attention in plain PyTorch: every bias module and mask, any device and dtype."""
+
+    name = "blockwise"
+    summary = "tiled attention in PyTorch (online softmax, recomputing backward): any device, dtype, bias module and mask; memory O(N·D)"
+
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        return tensor_bias_reasons(call)
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return blockwise_attention(call)
+
+
+def blockwise_attention(
+    call: AttentionCall, *, block_q: int | None = None, block_k: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Memory-efficient attention with a relative bias, tile by tile, on a validated call.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> out (B, H, Lq, Dv) in the dtype
+    of ``query`` and lse (B, H, Lq) float32 (float64 for float64 inputs); formula and conventions as
+    :func:`relbias.attention`. ``block_q`` / ``block_k``: tile sizes (tokens), default :data:`BLOCK_Q` /
+    :data:`BLOCK_K`. Peak extra memory: a few (B, H, block_q, block_k) float32 tiles and O(B·H·L·D)
+    accumulators.
 
     Raises:
-        TypeError: ``bias`` is a tensor (use the reference backend).
+        TypeError: the bias is a tensor (use the reference backend).
     """
+    query, key, value, alignment = call.query, call.key, call.value, call.alignment
     compute = compute_dtype(query.dtype)
-    source, inputs, kind = make_source(bias, alignment, convention, scale, compute, query.device)
-    if mask is not None:
-        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    careful = not all_finite(key, value)
+    source, inputs, kind = make_source(call.bias, alignment, call.convention, call.scale, compute, query.device)
+    careful = not call.keys_and_values_finite
     problem = TileProblem(
-        query, key, value, scale, source, mask, is_causal, alignment.query_start - alignment.key_start,
+        query, key, value, call.scale, source, call.mask, call.is_causal, call.delta,
         block_q=block_q or (CAREFUL_BLOCK if careful else BLOCK_Q), block_k=block_k or (CAREFUL_BLOCK if careful else BLOCK_K),
         compute=compute, careful=careful,
     )

@@ -1,10 +1,24 @@
 """The FlexAttention backend: ``torch.nn.attention.flex_attention`` with the bias looked up per score.
 
 ``score_mod`` adds ``values[h, q_idx - kv_idx + Lk - 1]`` from the native per-offset vector (offset
-``i - j = delta + q_idx - kv_idx``, ``min_offset = delta - (Lk - 1)``) and, for a float mask, its finite
-values; ``mask_mod`` hides future keys (causal, under the block's alignment), False entries of a bool
-mask and -inf entries of a float mask, so the block mask lets the kernel skip fully masked tiles. The
-native values are a captured tensor, so the bias gradient flows where FlexAttention has a backward.
+``i - j = delta + q_idx - kv_idx``) and, for a float mask, its finite values; ``mask_mod`` hides future
+keys (causal, under the block's alignment), False entries of a bool mask and -inf entries of a float
+mask, so the block mask lets the kernel skip fully masked tiles. The native values are a captured
+tensor, so the bias gradient flows where FlexAttention has a backward.
+
+Compiled per length bucket: query and key lengths are padded to the next power of two (at least
+:data:`MIN_BUCKET`; padded keys are masked, padded queries dropped), and positions reach
+``score_mod`` / ``mask_mod`` as tensors, never as Python numbers baked into the graph. A new length or
+decode step inside a bucket therefore reuses the compiled kernel, and a run of growing lengths compiles
+O(log L) times. (``dynamic=True`` is not used: torch 2.13's CPU FlexAttention template fails to compile
+with symbolic lengths.) Should dynamo still hit its recompile limit (:data:`RECOMPILE_LIMIT`), the call
+raises instead of falling back to eager FlexAttention, which would materialise the (B, H, Lq, Lk)
+scores.
+
+Never silently wrong: compiled FlexAttention in torch 2.13 returns wrong values or NaN on some CPUs
+(AVX2 without AVX-512, head_dim 8 or 16: the last (batch, head) slice). Before its first use per
+(device, dtype, head_dim, value head_dim), the compiled kernel is checked against SDPA on small probe
+problems; where it disagrees, the backend refuses such calls and says why (:func:`kernel_check`).
 
 Needs ``torch.compile`` for a fused kernel (eager FlexAttention materialises the scores) and, in
 torch 2.13, a device other than CPU for backward. :func:`flex_available` says which applies.
@@ -14,18 +28,34 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import shutil
 
 import torch
 
 from ..biases.base import RelativeBias
-from ..positions import Alignment
+from ..call import AttentionCall
+from .base import Backend
+from .blockwise import tensor_bias_reasons
 
-__all__ = ["flex_attention_backend", "flex_available"]
+__all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
 
 #: Compile FlexAttention (True) or run it eagerly (False: the same score_mod / mask_mod, unfused; tests
 #: set it to check semantics without paying a compilation per shape).
 COMPILE = True
+
+#: Smallest padded length (tokens); lengths are padded to max(MIN_BUCKET, next power of two).
+MIN_BUCKET = 16
+#: Compiled variants dynamo may keep for FlexAttention (length buckets x shapes x mask kinds).
+RECOMPILE_LIMIT = 64
+
+#: Probe problems (batch, num_heads, length) of :func:`kernel_check`; the first is where torch 2.13's
+#: CPU kernel was seen to fail (AVX2, head_dim 8), the second has lengths that are not a tile multiple.
+PROBES = ((2, 4, 40), (1, 3, 133))
+
+#: (device type, device index, dtype, head_dim, value head_dim) -> None (the compiled kernel agrees with
+#: SDPA) or the reason it does not.
+_CHECKED: dict[tuple, str | None] = {}
 
 
 def flex_available(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> tuple[bool, str]:
@@ -57,86 +87,194 @@ def flex_available(device: torch.device, dtype: torch.dtype, needs_grad: bool) -
 
 @functools.lru_cache(maxsize=1)
 def _compiled():
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention as flex
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex, dynamic=False)
 
 
-def flex_attention_backend(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    bias: RelativeBias | None,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    convention: str,
-    alignment: Alignment,
-) -> torch.Tensor:
-    """Attention with a relative bias through FlexAttention. Arguments are validated by the caller.
+def _run(*args, **kwargs):
+    """FlexAttention, compiled (dynamic shapes; a recompile-limit hit raises) or eager when COMPILE is off."""
+    if not COMPILE:
+        from torch.nn.attention.flex_attention import flex_attention as flex
 
-    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
-    ``query``; formula as :func:`relbias.attention` (for "seed" the bias is multiplied by ``scale``).
+        return flex(*args, **kwargs)
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT):
+            return _compiled()(*args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+        raise RuntimeError(
+            "compiled FlexAttention hit dynamo's recompile limit; relbias refuses to fall back to eager "
+            "FlexAttention, which materialises the (B, H, Lq, Lk) scores (use backend='blockwise')"
+        ) from exc
+
+
+def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_dim: int) -> str | None:
+    """Check compiled FlexAttention against SDPA once per (device, dtype, head_dim, value_dim).
+
+    Runs bias-free attention on the :data:`PROBES` shapes (random inputs, fixed seed), forward only, and
+    compares with SDPA computed in float64 (tolerance 1e-4 for float32, 3e-2 for half types, relative to
+    the largest value). Costs one compilation the first time; the answer is cached for the process.
+
+    Returns:
+        None when every probe agrees; otherwise the reason, naming torch's version, the CPU capability,
+        head_dim and the error found.
+    """
+    key = (device.type, device.index, dtype, head_dim, value_dim)
+    if key in _CHECKED:
+        return _CHECKED[key]
+    generator = torch.Generator().manual_seed(0)
+    tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    reason = None
+    with torch.no_grad():
+        for batch, heads, length in PROBES:
+            q, k = (torch.randn(batch, heads, length, head_dim, generator=generator) for _ in range(2))
+            v = torch.randn(batch, heads, length, value_dim, generator=generator)
+            want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+            q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+            got = _run(q, k, v, scale=1.0 / math.sqrt(head_dim)).double().cpu()
+            error = (got - want).abs().max().item() if got.numel() else 0.0
+            if not math.isfinite(error) or error > tolerance * max(1.0, want.abs().max().item()):
+                capability = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type
+                reason = (
+                    f"compiled FlexAttention in torch {torch.__version__} returns wrong values here ({capability}, "
+                    f"{dtype}, head_dim {head_dim}): max error {error:.3g} against SDPA on a ({batch}, {heads}, "
+                    f"{length}, {head_dim}) probe"
+                )
+                break
+    _CHECKED[key] = reason
+    return reason
+
+
+def _index(t: torch.Tensor, b, h, q_idx, kv_idx):
+    """Entry of a 4-D broadcastable tensor at (b, h, q_idx, kv_idx); size-1 dimensions broadcast."""
+    return t[b if t.shape[0] > 1 else 0, h if t.shape[1] > 1 else 0,
+             q_idx if t.shape[2] > 1 else 0, kv_idx if t.shape[3] > 1 else 0]
+
+
+def bucket(length: int) -> int:
+    """The padded length (tokens) FlexAttention is compiled for: max(:data:`MIN_BUCKET`, next power of two)."""
+    return max(MIN_BUCKET, 1 << max(0, length - 1).bit_length())
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int, fill=0, *, broadcast: bool = False) -> torch.Tensor:
+    """``t`` padded with ``fill`` along ``dim`` to ``size``; unchanged when it has that size, or size 1 there
+    and ``broadcast`` (a mask dimension that broadcasts)."""
+    n = t.shape[dim]
+    if n == size or (broadcast and n == 1):
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - n
+    return torch.cat([t, t.new_full(shape, fill)], dim=dim)
+
+
+def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with a relative bias through FlexAttention, on a call :class:`FlexBackend` accepts.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> out (B, H, Lq, Dv) in the dtype
+    of ``query`` and lse (B, H, Lq) float32, -inf for a query with no visible key (None unless
+    ``call.return_lse``); formula as :func:`relbias.attention` (for "seed" the bias is multiplied by
+    ``scale``). Inputs are padded to :func:`bucket` lengths (copies of O(B·H·L·D)).
 
     Raises:
-        RuntimeError: FlexAttention cannot run here (see :func:`flex_available`).
-        TypeError: ``bias`` is a tensor or a family that is not offset-only (no native vector to look up).
+        RuntimeError: dynamo hit its recompile limit (see the module docstring).
     """
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask
 
-    needs_grad = torch.is_grad_enabled() and (
-        any(t.requires_grad for t in (query, key, value))
-        or (isinstance(bias, RelativeBias) and any(p.requires_grad for p in bias.parameters()))
-    )
-    ok, reason = flex_available(query.device, query.dtype, needs_grad)
-    if not ok:
-        raise RuntimeError(f"the flex backend cannot run: {reason}")
-    if bias is not None and (not isinstance(bias, RelativeBias) or not bias.offset_only):
-        raise TypeError("the flex backend looks the bias up in a native per-offset vector; it needs an offset-only bias module")
-
-    from .blockwise import all_finite, blockwise_attention
-
-    if 0 in (query.shape[0], query.shape[1], query.shape[3], value.shape[3]) or not all_finite(key, value):
-        # FlexAttention divides by zero on empty axes, and spreads NaN/inf keys or values to queries that
-        # cannot see them: the blockwise backend gives the empty result / confines them (same semantics).
-
-        return blockwise_attention(
-            query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-            alignment=alignment,
-        )
+    query, key, value, bias, mask, alignment = call.query, call.key, call.value, call.bias, call.mask, call.alignment
+    device = query.device
     lq, lk = alignment.query_len, alignment.key_len
-    delta = alignment.query_start - alignment.key_start
+    pq, pk = bucket(lq), bucket(lk)
+    # Per-call numbers reach score_mod / mask_mod as tensors, so the compiled graph depends on the bucket only.
+    delta = torch.tensor(call.delta, device=device)
+    key_len = torch.tensor(lk, device=device)
     values = None
     if bias is not None:
-        values = bias.native(lq, lk, query_start=alignment.query_start, key_start=alignment.key_start, device=query.device).values
-        values = values.float() * (scale if convention == "seed" else 1.0)  # (Hb, Lq + Lk - 1), logits
+        native = bias.native(lq, lk, query_start=alignment.query_start, key_start=alignment.key_start, device=device)
+        # Column n = q_idx - kv_idx + (pk - 1) of the padded vector holds offset delta + q_idx - kv_idx, i.e.
+        # native column n - (pk - lk); padded entries are 0 (their keys are masked, their queries dropped).
+        values = torch.zeros(native.values.shape[0], pq + pk - 1, dtype=torch.float32, device=device)
+        values[:, pk - lk : pk - lk + lq + lk - 1] = native.values.float() * call.bias_scale  # logits
     shared = values is not None and values.shape[0] == 1
-    mask4 = None if mask is None else mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    float_mask = mask4 is not None and mask4.is_floating_point()
-    finite = mask4.masked_fill(mask4 == float("-inf"), 0.0).float() if float_mask else None
-    visible = None if mask4 is None else (mask4 != float("-inf") if float_mask else mask4)
+    float_mask = mask is not None and mask.is_floating_point()
+    finite = visible = None
+    if mask is not None:
+        finite = mask.masked_fill(mask == float("-inf"), 0.0).float() if float_mask else None
+        visible = mask != float("-inf") if float_mask else mask
+        visible = _pad_to(_pad_to(visible, 2, pq, False, broadcast=True), 3, pk, False, broadcast=True)
+        finite = None if finite is None else _pad_to(_pad_to(finite, 2, pq, broadcast=True), 3, pk, broadcast=True)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if values is not None:
-            score = score + values[0 if shared else h, q_idx - kv_idx + (lk - 1)]
+            score = score + values[0 if shared else h, q_idx - kv_idx + (pk - 1)]
         if finite is not None:
-            score = score + finite[b if finite.shape[0] > 1 else 0, h if finite.shape[1] > 1 else 0,
-                                   q_idx if finite.shape[2] > 1 else 0, kv_idx if finite.shape[3] > 1 else 0]
+            score = score + _index(finite, b, h, q_idx, kv_idx)
         return score
 
     def mask_mod(b, h, q_idx, kv_idx):
-        keep = q_idx - kv_idx + delta >= 0 if is_causal else q_idx >= 0
+        keep = kv_idx < key_len
+        if call.is_causal:
+            keep = keep & (q_idx - kv_idx + delta >= 0)
         if visible is not None:
-            keep = keep & visible[b if visible.shape[0] > 1 else 0, h if visible.shape[1] > 1 else 0,
-                                  q_idx if visible.shape[2] > 1 else 0, kv_idx if visible.shape[3] > 1 else 0]
+            keep = keep & _index(visible, b, h, q_idx, kv_idx)
         return keep
 
-    block_mask = None
-    if is_causal or visible is not None:
-        batch = visible.shape[0] if visible is not None and visible.shape[0] > 1 else None
-        heads = visible.shape[1] if visible is not None and visible.shape[1] > 1 else None
-        block_mask = create_block_mask(mask_mod, batch, heads, lq, lk, device=query.device)
-    run = _compiled() if COMPILE else flex_attention
+    batch = visible.shape[0] if visible is not None and visible.shape[0] > 1 else None
+    heads = visible.shape[1] if visible is not None and visible.shape[1] > 1 else None
+    block_mask = create_block_mask(mask_mod, batch, heads, pq, pk, device=device)
     has_mod = values is not None or finite is not None
-    return run(query, key, value, score_mod=score_mod if has_mod else None, block_mask=block_mask, scale=scale)
+    q, k, v = _pad_to(query, 2, pq), _pad_to(key, 2, pk), _pad_to(value, 2, pk)
+    kwargs = dict(score_mod=score_mod if has_mod else None, block_mask=block_mask, scale=call.scale)
+    if not call.return_lse:  # compiled FlexAttention on CPU has no return_lse in torch 2.13
+        return _run(q, k, v, **kwargs)[:, :, :lq], None
+    out, lse = _run(q, k, v, return_lse=True, **kwargs)
+    return out[:, :, :lq], lse[:, :, :lq].float()
+
+
+class FlexBackend(Backend):
+    """FlexAttention with the bias in ``score_mod``: offset-only biases, any mask; forward only on CPU."""
+
+    name = "flex"
+    summary = "FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory O(N·D)"
+
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = tensor_bias_reasons(call)
+        bias = call.bias
+        if isinstance(bias, RelativeBias) and not bias.offset_only:
+            reasons.append(f"{type(bias).__name__} reads absolute positions; the flex backend looks up a per-offset vector")
+        b, h, lq, d = call.query.shape
+        dv = call.value.shape[-1]
+        if 0 in (b, h, d, dv, lq, call.alignment.key_len):
+            reasons.append(
+                f"an empty axis (batch {b}, num_heads {h}, head_dim {d}, value head_dim {dv}, query_len {lq}, "
+                f"key_len {call.alignment.key_len}); FlexAttention divides by zero on some of them"
+            )
+        ok, why = flex_available(call.query.device, call.query.dtype, call.needs_grad)
+        if not ok:
+            reasons.append(why)
+        if call.return_lse and COMPILE and call.query.device.type == "cpu":
+            reasons.append(f"compiled FlexAttention on CPU does not return the log-sum-exp in torch {torch.__version__}")
+        if reasons:
+            return reasons
+        if not call.keys_and_values_finite:
+            return [
+                "a key or value holds NaN/inf, which FlexAttention spreads to queries that cannot see it "
+                "(0 * inf); blockwise confines it to the queries that see it"
+            ]
+        if COMPILE:
+            failed = kernel_check(call.query.device, call.query.dtype, d, dv)
+            if failed:
+                return [failed]
+        return []
+
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        if call.query.device.type != "cuda":
+            return [f"auto takes flex on CUDA only (on {call.query.device.type}, structured or blockwise run without compiling)"]
+        if call.needs_grad:
+            return [
+                "gradients are needed and flex's CUDA backward is not yet verified against the reference "
+                "(benchmarks/gpu_check.py); pass backend='flex' to use it anyway"
+            ]
+        return []
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return flex_attention(call)

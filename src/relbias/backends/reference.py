@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from ..biases.base import RelativeBias
+from ..call import AttentionCall
 from ..positions import Alignment
+from .base import Backend
 
-__all__ = ["reference_attention", "visible_keys"]
+__all__ = ["ReferenceBackend", "reference_attention", "visible_keys"]
 
 
 def visible_keys(
@@ -31,26 +33,31 @@ def visible_keys(
     return visible
 
 
-def reference_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    bias: RelativeBias | torch.Tensor | None,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    convention: str,
-    alignment: Alignment,
-) -> torch.Tensor:
-    """Attention with a relative bias, computed the plain way. Arguments are validated by the caller.
+class ReferenceBackend(Backend):
+    """The oracle: every call, with the (B, H, Lq, Lk) scores materialised."""
 
-    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv), in the
-    dtype of ``query``. See :func:`relbias.attention` for the formula of each convention.
+    name = "reference"
+    summary = "the reference materialises the (B, H, Lq, Lk) scores: runs every call, memory O(B·H·Lq·Lk)"
+
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        return []
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference_attention(call)
+
+
+def reference_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with a relative bias, computed the plain way, on a validated call.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> out (B, H, Lq, Dv) in the
+    dtype of ``query`` and lse (B, H, Lq) in float32 (float64 for float64 inputs), ``-inf`` for a query
+    with no visible key. See :func:`relbias.attention` for the formula of each convention.
     """
+    query, key, value, bias, mask = call.query, call.key, call.value, call.bias, call.mask
+    alignment, scale, convention = call.alignment, call.scale, call.convention
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
-    visible = visible_keys(mask, is_causal, alignment, query.device)  # broadcasts to (B, H, Lq, Lk)
+    visible = visible_keys(mask, call.is_causal, alignment, query.device)  # broadcasts to (B, H, Lq, Lk)
     # Keys hidden from every query (padding) must not leak NaN/inf through 0 * NaN, forward or backward.
     unused = ~visible.any(dim=-2).unsqueeze(-1)  # (B or 1, H or 1, Lk, 1)
     zero = torch.zeros((), dtype=compute, device=q.device)
@@ -77,13 +84,14 @@ def reference_attention(
     # A masked key gets exactly zero weight, whatever its score: -inf before the softmax.
     scores = scores.masked_fill(~visible, float("-inf"))
     # A row with no visible key would be softmax(all -inf) = NaN: give it finite dummy scores and
-    # zero its probabilities afterwards, so its output is 0 and its gradients are 0.
+    # zero its probabilities afterwards, so its output is 0, its lse -inf and its gradients 0.
     has_key = visible.any(dim=-1, keepdim=True)
     scores = scores.masked_fill(~has_key, 0.0)
+    lse = torch.logsumexp(scores, dim=-1).masked_fill(~has_key[..., 0], float("-inf"))  # (B, H, Lq)
     probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
     if v.device.type == "meta" or bool(torch.isfinite(v).all()):  # meta tensors hold no values to check
-        return (probs @ v).to(query.dtype)  # (B, H, Lq, Dv)
+        return (probs @ v).to(query.dtype), lse  # (B, H, Lq, Dv)
     # NaN/inf values must reach only the queries that see them, not others through 0 * NaN: sum the
     # visible products explicitly ((B, H, Lq, Lk, Dv) memory; only taken when values are non-finite).
     products = torch.where(visible.unsqueeze(-1), probs.unsqueeze(-1) * v.unsqueeze(-3), zero)
-    return products.sum(dim=-2).to(query.dtype)
+    return products.sum(dim=-2).to(query.dtype), lse

@@ -33,13 +33,15 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
+from ..call import AttentionCall
 from ..positions import Alignment
-from ._fused import fused_backward, fused_forward
-from ._tiled import TileProblem, tiled_backward, tiled_forward
-from ._tiles import NativeSource
-from .blockwise import all_finite, blockwise_attention, compute_dtype
+from ._bias_tiles import NativeSource
+from ._cpu_flash import fused_available, fused_backward, fused_forward
+from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
+from .base import Backend
+from .blockwise import compute_dtype, tensor_bias_reasons
 
-__all__ = ["BLOCK_Q", "far_distance", "far_parts", "key_padding_mask", "structured_attention"]
+__all__ = ["BLOCK_Q", "StructuredBackend", "far_distance", "far_parts", "structured_attention"]
 
 #: Default query rows per band tile (tokens); a band tile spans BLOCK_Q + 2T - 2 keys.
 BLOCK_Q = 64
@@ -49,10 +51,9 @@ _NEG_INF = float("-inf")
 
 def far_distance(bias: object) -> int | None:
     """The distance T (tokens, >= 1) beyond which ``bias`` is one constant per direction, or None."""
-    method = getattr(bias, "far_constant_distance", None)
-    if not isinstance(bias, RelativeBias) or not bias.offset_only or method is None:
+    if not isinstance(bias, RelativeBias) or not bias.offset_only:
         return None
-    distance = method()
+    distance = bias.far_constant_distance()
     return None if distance is None else max(1, int(distance))
 
 
@@ -107,21 +108,6 @@ def far_parts(alignment: Alignment, distance: int, is_causal: bool) -> list[tupl
 HEAD_GROUP = 2
 
 
-def key_padding_mask(mask: torch.Tensor | None, key_len: int) -> torch.Tensor | None:
-    """The (Bm, Hm, Lk) bool view of ``mask`` when it is a key padding mask, else None.
-
-    A key padding mask is bool (True = may attend) and, made 4-D by leading size-1 dimensions as
-    :func:`relbias.attention` broadcasts it, has query dimension 1: (B or 1, H or 1, 1, Lk or 1). Bm, Hm
-    are its batch and head sizes (1 or B, 1 or H); a key dimension of 1 is expanded to ``key_len``.
-    """
-    if mask is None or mask.dtype != torch.bool or mask.dim() > 4:
-        return None
-    mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if mask.shape[2] != 1:
-        return None
-    return mask[:, :, 0].expand(mask.shape[0], mask.shape[1], key_len)
-
-
 def _empty_rows(keep: torch.Tensor, mode: str, rows: int) -> torch.Tensor:
     """(Bm, Hm, rows or 1) bool: the part's rows that see no unpadded key, from its (Bm, Hm, keys) key mask."""
     if mode == "full":
@@ -173,20 +159,29 @@ def _run_part(q, k, v, mode, scale, keep=None):
     return out, lse
 
 
-def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv, keep=None):
+def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv, keep=None, lse_grad=None):
     """Add this part's share of the gradients into the (B, H, rows / keys, D) slices dq, dk, dv.
 
     ``lse``: the global log-sum-exp minus the part's constant, +inf on rows that must get no gradient
-    (then the kernel's ``p = exp(s - lse)`` is 0). ``keep``: as :func:`_run_part`.
+    (then the kernel's ``p = exp(s - lse)`` is 0). ``keep``: as :func:`_run_part`. ``lse_grad``: the
+    gradient (B, H, rows) of the global lse, or None. The kernel forms ``D_i = dO_i . out_i`` itself; a
+    gradient ``g`` of the lse must turn that into ``D_i - g_i``, so q, k, v get one zero column, out a
+    column of ones and dO the column ``-g`` (scores and ``dO . v`` are unchanged).
     """
     if q.dtype == torch.float16:  # as in _run_part
         q, k, v = q.double(), k.double(), v.double()
+    if lse_grad is not None:
+        pad = torch.nn.functional.pad
+        q, k, v = pad(q, (0, 1)), pad(k, (0, 1)), pad(v, (0, 1))
+        out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
+        do = torch.cat([do, -lse_grad.to(do.dtype)[..., None]], dim=-1)
+    d, dv_dim = dq.shape[-1], dv.shape[-1]
     mask = _additive(keep, q.dtype)
     if mode != "upper":
         gq, gk, gv = fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale, attn_mask=mask)
-        dq += gq
-        dk += gk
-        dv += gv
+        dq += gq[..., :d]
+        dk += gk[..., :d]
+        dv += gv[..., :dv_dim]
         return
     for h0 in range(0, q.shape[1], HEAD_GROUP):
         hs = slice(h0, h0 + HEAD_GROUP)
@@ -194,9 +189,9 @@ def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv, keep=None):
             do[:, hs].flip(2), q[:, hs].flip(2), k[:, hs].flip(2), v[:, hs].flip(2), out[:, hs].flip(2),
             lse[:, hs].flip(2), is_causal=True, scale=scale, attn_mask=_heads(mask, hs),
         )
-        dq[:, hs] += gq.flip(2)
-        dk[:, hs] += gk.flip(2)
-        dv[:, hs] += gv.flip(2)
+        dq[:, hs] += gq[..., :d].flip(2)
+        dk[:, hs] += gk[..., :d].flip(2)
+        dv[:, hs] += gv[..., :dv_dim].flip(2)
 
 
 def _merge(out, lse, rows, part_out, part_lse):
@@ -233,11 +228,12 @@ class _StructuredFunction(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, values, out, lse, *kept, *part_lse)
         ctx.problem, ctx.parts, ctx.const_index, ctx.bias_scale = problem, parts, const_index, bias_scale
         ctx.kept, ctx.consts, ctx.keep = bool(kept), consts, keep
-        return out.to(query.dtype)
+        ctx.set_materialize_grads(False)
+        return out.to(query.dtype), (lse.float() if query.dtype == torch.float16 else lse)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse):
         query, key, value, values, out, lse, *stats = ctx.saved_tensors
         problem: TileProblem = ctx.problem
         problem.query, problem.key, problem.value = query, key, value
@@ -247,8 +243,11 @@ class _StructuredFunction(torch.autograd.Function):
         compute = problem.compute
         source: NativeSource = problem.source
         source.grad.zero_()
-        do = grad_out.to(compute)
+        do = torch.zeros_like(out) if grad_out is None else grad_out.to(compute)
         row_dot = (do * out).sum(dim=-1)  # D_i = dO_i . O_i
+        if grad_lse is not None:  # d lse_i / d s_ij = p_ij: the lse gradient enters as D_i - g_i
+            grad_lse = grad_lse.to(compute).masked_fill(lse == _NEG_INF, 0.0)
+            row_dot = row_dot - grad_lse
         dq, dk, dv = tiled_backward(problem, do, lse, row_dot)
         dconst = torch.zeros(values.shape[0], 2, dtype=compute, device=values.device)
         for (t0, t1, s0, s1, mode, direction), o_p, l_p in zip(parts, part_out, part_lse):
@@ -261,6 +260,7 @@ class _StructuredFunction(torch.autograd.Function):
             _part_backward(
                 do[:, :, t0:t1], query[:, :, t0:t1], key[:, :, s0:s1], value[:, :, s0:s1], out[:, :, t0:t1],
                 kernel_lse, mode, problem.scale, dq[:, :, t0:t1], dk[:, :, s0:s1], dv[:, :, s0:s1], part_keep,
+                None if grad_lse is None else grad_lse[:, :, t0:t1],
             )
             if o_p is not None:
                 weight = torch.exp(l_p - rows_lse).masked_fill(l_p == _NEG_INF, 0.0)  # a part a row does not see: 0
@@ -275,57 +275,74 @@ class _StructuredFunction(torch.autograd.Function):
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), grad_values, None, None, None, None, None
 
 
-def structured_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    *,
-    bias: RelativeBias,
-    mask: torch.Tensor | None,
-    is_causal: bool,
-    scale: float,
-    convention: str,
-    alignment: Alignment,
-    block_q: int | None = None,
-) -> torch.Tensor:
-    """Exact attention with a far-constant bias: fused bias-free far parts + a tiled near band, merged by
-    log-sum-exp. Arguments are validated by the caller; see :func:`relbias.attention` for the formula.
+class StructuredBackend(Backend):
+    """Far-constant biases: bias-free fused attention far from the diagonal plus a tiled band."""
 
-    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> (B, H, Lq, Dv) in the dtype of
-    ``query``. ``block_q``: query rows per band tile (tokens), default :data:`BLOCK_Q`.
+    name = "structured"
+    summary = "far-constant bias: fused bias-free far parts (CPU flash kernel) plus a tiled band, merged by log-sum-exp; memory O(N·D)"
+
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = tensor_bias_reasons(call)
+        bias = call.bias
+        if bias is None:
+            reasons.append("there is no bias; bias-free attention needs no band (use blockwise or SDPA)")
+        elif isinstance(bias, RelativeBias):
+            if not bias.offset_only:
+                reasons.append(f"{type(bias).__name__} reads absolute positions, so it is not constant far from the diagonal")
+            elif far_distance(bias) is None:
+                reasons.append(
+                    f"{type(bias).__name__} is not constant beyond a distance (T5Bias and PerOffsetBias with "
+                    f"out_of_range='clip' are)"
+                )
+        if call.mask is not None and call.key_padding is None:
+            reasons.append(
+                "the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk); the fused far parts take only "
+                "that (float masks and masks with a query dimension go to blockwise)"
+            )
+        b, h, lq, d = call.query.shape
+        dv = call.value.shape[-1]
+        if dv != d:
+            reasons.append(f"value head_dim {dv} differs from query head_dim {d}; the fused kernel needs them equal")
+        if 0 in (b, h, d, lq, call.alignment.key_len):
+            reasons.append(
+                f"an empty axis (batch {b}, num_heads {h}, head_dim {d}, query_len {lq}, key_len "
+                f"{call.alignment.key_len}); the CPU flash kernel divides by zero on some of them"
+            )
+        ok, why = fused_available(call.query.device, call.query.dtype)
+        if not ok:
+            reasons.append(why)
+        if not reasons and not call.keys_and_values_finite:
+            reasons.append(
+                "a key or value holds NaN/inf, which the fused far parts would spread to queries that cannot see "
+                "it (0 * inf); blockwise confines it to the queries that see it"
+            )
+        return reasons
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return structured_attention(call)
+
+
+def structured_attention(call: AttentionCall, *, block_q: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention with a far-constant bias: fused bias-free far parts + a tiled near band, merged by
+    log-sum-exp, on a validated call that :class:`StructuredBackend` accepts. See :func:`relbias.attention`
+    for the formula.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, D) -> out (B, H, Lq, D) in the dtype of
+    ``query`` and lse (B, H, Lq) float32 (float64 for float64 inputs). ``block_q``: query rows
+    per band tile (tokens), default :data:`BLOCK_Q`.
 
     Precision: parts are merged through their log-sum-exp, which float32 holds to ``|lse| x 2^-24``; with
     scores of order 1e4 (T5's unscaled scores on large activations) that is a relative error of ~1e-3 in
     the merge weights, where the reference (one softmax) stays near 1e-7. float16 inputs therefore run
     in float64; float32 inputs with such scores are better served by the blockwise backend.
 
-    ``mask``: None or a key padding mask (see :func:`key_padding_mask`), bool (B or 1, H or 1, 1, Lk),
-    True = may attend. Padded keys are hidden from the fused far parts (as their additive attn_mask) and
-    from the band tiles; a row that sees no key gets output 0 and zero gradients.
-
-    Raises:
-        ValueError: ``mask`` is not a key padding mask (float masks and masks with a query dimension go to
-            the blockwise backend), or ``bias`` has no far constant (see :func:`far_distance`); the
-            dispatcher routes such calls elsewhere.
+    Mask: None or a key padding mask (:attr:`relbias.call.AttentionCall.key_padding`), bool (B or 1,
+    H or 1, 1, Lk), True = may attend. Padded keys are hidden from the fused far parts (as their additive
+    attn_mask) and from the band tiles; a row that sees no key gets output 0, lse -inf and zero gradients.
     """
-    keep = key_padding_mask(mask, key.shape[2])
-    if mask is not None and keep is None:
-        raise ValueError(
-            f"the structured backend takes only a bool key padding mask (B or 1, H or 1, 1, Lk); got "
-            f"{mask.dtype} of shape {tuple(mask.shape)} (such masks go to the blockwise backend)"
-        )
+    query, key, value, bias, alignment = call.query, call.key, call.value, call.bias, call.alignment
+    keep = call.key_padding
     distance = far_distance(bias)
-    if distance is None:
-        raise ValueError(f"{type(bias).__name__} is not constant beyond a distance; the structured backend needs that")
-    batch, heads, _, head_dim = query.shape
-    if 0 in (batch, heads, head_dim, value.shape[-1]) or not all_finite(key, value):
-        # Nothing to split (the CPU flash kernel divides by zero on zero heads), or NaN/inf keys or values
-        # (padded ones included), which fused kernels spread to queries that cannot see them (0 * inf):
-        # the blockwise backend returns the empty result / confines them to the queries that see them.
-        return blockwise_attention(
-            query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-            alignment=alignment,
-        )
     if keep is not None and bool(keep.all()):
         keep = None  # nothing padded
     # float16 runs in float64: T5's unscaled scores exceed float16's range (design.md, Numerics), and
@@ -337,15 +354,14 @@ def structured_attention(
         device=query.device,
     )
     values, lo, hi = native.values, alignment.min_offset, alignment.max_offset
-    bias_scale = scale if convention == "seed" else 1.0
-    delta = alignment.query_start - alignment.key_start
-    source = NativeSource(values, lo, delta, bias_scale, compute)
+    bias_scale = call.bias_scale
+    source = NativeSource(values, lo, call.delta, bias_scale, compute)
     # Column of each far constant: offset T (past) and -T (future), moved inside the block's offsets.
     const_index = [min(max(distance, lo), hi) - lo, min(max(-distance, lo), hi) - lo]
     band = TileProblem(
-        query, key, value, scale, source, None if keep is None else keep[:, :, None], is_causal, delta,
-        min_offset=-(distance - 1), max_offset=distance - 1, block_q=block_q, block_k=block_q + 2 * distance,
+        query, key, value, call.scale, source, None if keep is None else keep[:, :, None], call.is_causal, call.delta,
+        band_min_offset=-(distance - 1), band_max_offset=distance - 1, block_q=block_q, block_k=block_q + 2 * distance,
         compute=compute,
     )
-    parts = far_parts(alignment, distance, is_causal)
+    parts = far_parts(alignment, distance, call.is_causal)
     return _StructuredFunction.apply(query, key, value, values, band, parts, const_index, bias_scale, keep)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import check_int
+from .._int_args import check_int
 from .base import RelativeBias
 
 __all__ = ["ALiBiBias", "alibi_slopes"]

@@ -107,6 +107,15 @@ class RelativeBias(nn.Module):
         """
         return offsets
 
+    def far_constant_distance(self) -> int | None:
+        """The distance T (tokens, >= 1) from which the bias is one constant per direction, or None.
+
+        When not None, every offset ``>= T`` has the value of offset ``T`` and (bidirectional) every
+        offset ``<= -T`` that of ``-T``, per head: the structured backend and context-parallel attention
+        then treat far key blocks as bias-free attention plus a constant. The default is None.
+        """
+        return None
+
     def _device(self) -> torch.device:
         for tensor in self.parameters():
             return tensor.device

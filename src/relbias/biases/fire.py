@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from .._validate import check_int
+from .._int_args import check_int
 from .base import RelativeBias
 
 __all__ = ["FIREBias"]

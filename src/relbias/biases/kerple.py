@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validate import check_int
+from .._int_args import check_int
 from .base import RelativeBias
 
 __all__ = ["KerpleLogBias", "KerplePowerBias"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validate import check_int
+from .._int_args import check_int
 from .base import TableBias
 
 __all__ = ["PerOffsetBias"]
@@ -83,7 +83,7 @@ class PerOffsetBias(TableBias):
         return (2 * max_len - 1 if bidirectional else max_len) * num_heads
 
     @property
-    def max_offset(self) -> int:
+    def max_table_offset(self) -> int:
         """Largest offset with a parameter, L - 1 (the smallest is -(L-1), or 0 when causal)."""
         return self.max_len - 1
 
@@ -94,9 +94,9 @@ class PerOffsetBias(TableBias):
             ValueError: with ``out_of_range="error"``, an offset with no parameter; the message names
                 it and the largest trained offset.
         """
-        low = -self.max_offset if self.bidirectional else 0
+        low = -self.max_table_offset if self.bidirectional else 0
         if offsets.numel() and self.out_of_range == "error":
-            too_far = offsets.abs() > self.max_offset
+            too_far = offsets.abs() > self.max_table_offset
             if not self.bidirectional:
                 too_far &= offsets > 0
             if bool(too_far.any()):
@@ -104,12 +104,12 @@ class PerOffsetBias(TableBias):
                 worst = worst if bool((offsets == worst).any()) else -worst
                 raise ValueError(
                     f"offset {worst} has no parameter: this per-offset bias was trained up to max_len="
-                    f"{self.max_len}, so the largest offset it knows is {self.max_offset}. Pass "
+                    f"{self.max_len}, so the largest offset it knows is {self.max_table_offset}. Pass "
                     f"out_of_range='clip' to reuse the parameter of offset "
-                    f"{self.max_offset if worst > 0 else -self.max_offset} (Shaw et al. 2018), or use a "
+                    f"{self.max_table_offset if worst > 0 else -self.max_table_offset} (Shaw et al. 2018), or use a "
                     f"family that extrapolates (e.g. T5Bias)"
                 )
-        rows = offsets.clamp(min=low, max=self.max_offset) - low
+        rows = offsets.clamp(min=low, max=self.max_table_offset) - low
         if not self.bidirectional:
             rows = torch.where(offsets < 0, torch.full_like(rows, -1), rows)
         return rows
@@ -125,10 +125,10 @@ class PerOffsetBias(TableBias):
         """Distance T (tokens) from which the bias is one constant per direction, or None.
 
         With ``out_of_range="clip"`` every offset with ``|i - j| >= L - 1`` reads the parameter of ``±(L - 1)``,
-        so T = ``max_offset``; with ``"error"`` such offsets have no value and None is returned. Used by
+        so T = ``max_table_offset``; with ``"error"`` such offsets have no value and None is returned. Used by
         the structured backend.
         """
-        return self.max_offset if self.out_of_range == "clip" else None
+        return self.max_table_offset if self.out_of_range == "clip" else None
 
     def extra_repr(self) -> str:
         return (

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .._validate import check_int
+from .._int_args import check_int
 from ..buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
 from .base import TableBias
 

@@ -6,10 +6,14 @@ The library never prints; progress goes through a ``progress`` hook (``tqdm.tqdm
 
 from .data import Corpus, load_corpus, sample_batch, split_corpus
 from .evaluate import check_reachable, evaluate_lengths, scored_bytes
+from .model import VOCAB_SIZE, ByteLM, ByteLMConfig
 from .extrapolate import ExtrapolationConfig, default_scheme_options, run_extrapolation
 from .train import TrainConfig, train_model
 
 __all__ = [
+    "VOCAB_SIZE",
+    "ByteLM",
+    "ByteLMConfig",
     "Corpus",
     "ExtrapolationConfig",
     "TrainConfig",

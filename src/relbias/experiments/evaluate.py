@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..nn import ByteLM
+from .model import ByteLM
 from .train import Progress, no_progress
 
 __all__ = ["evaluate_lengths", "check_reachable", "scored_bytes"]

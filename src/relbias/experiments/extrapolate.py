@@ -12,7 +12,7 @@ import torch
 
 from ..biases.registry import FAMILIES
 from ..buckets import validate_t5_buckets
-from ..nn import ByteLM, ByteLMConfig
+from .model import ByteLM, ByteLMConfig
 from .data import Corpus, split_corpus
 from .evaluate import check_reachable, evaluate_lengths, scored_bytes
 from .report import load_results, require_matplotlib, save_results
@@ -52,7 +52,7 @@ class ExtrapolationConfig:
     Attributes:
         train_len: training length L in tokens (bytes). Default 64.
         eval_lengths: evaluation lengths in tokens; default (L, 2L, 4L, 8L) = (64, 128, 256, 512).
-        embed_dim, num_heads, num_layers: model size (:class:`relbias.nn.ByteLMConfig`).
+        embed_dim, num_heads, num_layers: model size (:class:`relbias.experiments.ByteLMConfig`).
         train: a :class:`TrainConfig`.
         val_fraction: share of the corpus held out for evaluation, from its end. Default 0.1.
         max_eval_bytes: evaluate on at most this many held-out bytes (None: all). Default None.

@@ -1,4 +1,4 @@
-"""Training a :class:`relbias.nn.ByteLM` on random windows of one fixed length."""
+"""Training a :class:`relbias.experiments.ByteLM` on random windows of one fixed length."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from ..nn import ByteLM
+from .model import ByteLM
 from .data import sample_batch
 
 __all__ = ["TrainConfig", "Progress", "train_model", "no_progress"]

@@ -1,7 +1,7 @@
-"""Modules built on :func:`relbias.attention`: multi-head attention with a KV cache, a tiny byte-level LM."""
+"""Modules built on :func:`relbias.attention`: multi-head attention with a KV cache (the experiment's byte-level LM lives in
+:mod:`relbias.experiments.model`)."""
 
 from .attention import MultiheadAttention
 from .cache import KVCache, StaticKVCache
-from .lm import VOCAB_SIZE, ByteLM, ByteLMConfig
 
-__all__ = ["VOCAB_SIZE", "ByteLM", "ByteLMConfig", "KVCache", "MultiheadAttention", "StaticKVCache"]
+__all__ = ["KVCache", "MultiheadAttention", "StaticKVCache"]

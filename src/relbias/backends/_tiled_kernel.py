@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._band import interior_backward, interior_blocks, interior_forward
-from ._tiles import mask_tile
+from ._band_interior import interior_backward, interior_blocks, interior_forward
+from ._bias_tiles import mask_tile
 
 __all__ = ["TileProblem", "tiled_backward", "tiled_forward"]
 
@@ -37,7 +37,7 @@ class TileProblem:
         mask: 4-D bool or float mask broadcastable to (B, H, Lq, Lk), or None.
         is_causal: hide offsets < 0.
         delta: query_start - key_start (tokens); the offset of tile entry (t, s) is ``delta + t - s``.
-        min_offset, max_offset: only offsets in this inclusive range are attended (the structured
+        band_min_offset, band_max_offset: only offsets in this inclusive range are attended (the structured
             backend's band); None = unbounded.
         block_q, block_k: tile sizes.
         compute: float32, or float64 for float64 inputs.
@@ -51,8 +51,8 @@ class TileProblem:
     mask: torch.Tensor | None
     is_causal: bool
     delta: int
-    min_offset: int | None = None
-    max_offset: int | None = None
+    band_min_offset: int | None = None
+    band_max_offset: int | None = None
     block_q: int = 256
     block_k: int = 1024
     compute: torch.dtype = torch.float32
@@ -61,10 +61,10 @@ class TileProblem:
     _skip: tuple[int, int] = (0, 0)  # query blocks done by the batched interior path
 
     def offset_limits(self) -> tuple[float, float]:
-        lo = float("-inf") if self.min_offset is None else self.min_offset
+        lo = float("-inf") if self.band_min_offset is None else self.band_min_offset
         if self.is_causal:
             lo = max(lo, 0)
-        hi = float("inf") if self.max_offset is None else self.max_offset
+        hi = float("inf") if self.band_max_offset is None else self.band_max_offset
         return lo, hi
 
     def query_blocks(self):

@@ -26,7 +26,7 @@ def interior_blocks(problem) -> tuple[int, int, int]:
     mask = problem.mask
     if mask is not None and (mask.dtype != torch.bool or mask.shape[-2] != 1):
         return 0, 0, 0
-    if problem.min_offset is None or problem.max_offset is None:
+    if problem.band_min_offset is None or problem.band_max_offset is None:
         return 0, 0, 0
     if problem.source is not None and not getattr(problem.source, "translation_invariant", False):
         return 0, 0, 0

@@ -15,8 +15,8 @@ from torch import nn
 
 from ..backends import BACKENDS
 from ..biases.registry import FAMILIES, make_bias
-from .attention import MultiheadAttention
-from .cache import KVCache, StaticKVCache
+from ..nn.attention import MultiheadAttention
+from ..nn.cache import KVCache, StaticKVCache
 
 __all__ = ["VOCAB_SIZE", "ByteLMConfig", "ByteLM"]
 

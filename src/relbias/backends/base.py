@@ -1,0 +1,65 @@
+"""The backend contract: what every attention backend declares and implements.
+
+A backend is one module with one :class:`Backend` subclass, registered by one line in
+:mod:`relbias.backends.registry`. It says which calls it cannot run, as sentences
+(:meth:`Backend.unsupported_reasons`; empty: it can run), and runs the others, returning the output
+and the log-sum-exp of each query's scores (:meth:`Backend.forward`). The log-sum-exp is the seam
+that lets partial results merge exactly (design.md, "Log-sum-exp is the seam")::
+
+    m = logaddexp(lse_1, lse_2);  out = out_1 * exp(lse_1 - m) + out_2 * exp(lse_2 - m)
+
+A backend never hands a call to another one: what it cannot run is a reason, so the dispatcher (and
+:func:`relbias.explain_backend`) names the backend that really runs.
+"""
+
+from __future__ import annotations
+
+import abc
+
+import torch
+
+from ..call import AttentionCall
+
+__all__ = ["Backend"]
+
+
+class Backend(abc.ABC):
+    """One attention backend.
+
+    Class attributes:
+        name: the name users pass as ``backend=`` (lower case, unique in the registry).
+        summary: one sentence on how it computes and what it costs, shown by ``explain_backend``.
+    """
+
+    name: str
+    summary: str
+
+    @abc.abstractmethod
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        """Why this backend cannot run ``call``: one sentence per reason; empty when it can.
+
+        Must cost O(1) or O(parameters) in the tensors' sizes, apart from the cached
+        :attr:`AttentionCall.keys_and_values_finite`.
+        """
+
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        """Why ``backend="auto"`` passes this backend over although it could run ``call`` (default none).
+
+        A user who names the backend still gets it; the reasons are shown by ``explain_backend``.
+        """
+        return []
+
+    @abc.abstractmethod
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run a call that :meth:`unsupported_reasons` accepts.
+
+        Returns:
+            out: (B, H, Lq, Dv) in the dtype of ``call.query``; 0 for a query with no visible key.
+            lse: (B, H, Lq) float32 (float64 for float64 inputs), the natural log-sum-exp of each query's
+                scores over its visible keys (scale, bias and additive mask included); ``-inf`` for a
+                query with no visible key. Both are differentiable. It may be None when
+                ``call.return_lse`` is False and the backend would compute it at extra cost.
+        """
+
+    def __repr__(self) -> str:
+        return f"<relbias backend {self.name!r}>"

@@ -1,0 +1,60 @@
+"""The backends in priority order: ``backend="auto"`` takes the first that can run a call.
+
+Adding a backend is one module with a :class:`relbias.backends.base.Backend` subclass and one line in
+:data:`_PRIORITY` below (or a call to :func:`register_backend` from user code).
+"""
+
+from __future__ import annotations
+
+from .base import Backend
+from .blockwise import BlockwiseBackend
+from .flex import FlexBackend
+from .reference import ReferenceBackend
+from .structured import StructuredBackend
+
+__all__ = ["BACKENDS", "register_backend", "unregister_backend"]
+
+#: name -> backend, in priority order (dicts keep insertion order).
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend, *, before: str | None = None) -> None:
+    """Add ``backend`` to :data:`BACKENDS`, last or just before the backend named ``before``.
+
+    Raises:
+        TypeError: ``backend`` is not a :class:`Backend` instance.
+        ValueError: its name is "auto", already registered, or ``before`` is not registered.
+    """
+    if not isinstance(backend, Backend):
+        raise TypeError(f"a backend must be an instance of relbias.backends.Backend, got {type(backend).__name__}")
+    name = backend.name
+    if not isinstance(name, str) or not name or name == "auto" or name in BACKENDS:
+        raise ValueError(f"backend name {name!r} is reserved or already registered; registered: {list(BACKENDS)}")
+    if before is not None and before not in BACKENDS:
+        raise ValueError(f"cannot insert before {before!r}: registered backends are {list(BACKENDS)}")
+    items = list(BACKENDS.items())
+    at = len(items) if before is None else [n for n, _ in items].index(before)
+    items.insert(at, (name, backend))
+    BACKENDS.clear()
+    BACKENDS.update(items)
+
+
+def unregister_backend(name: str) -> Backend:
+    """Remove and return the backend named ``name``.
+
+    Raises:
+        ValueError: ``name`` is not registered.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; registered: {list(BACKENDS)}")
+    return BACKENDS.pop(name)
+
+
+_PRIORITY = (
+    FlexBackend(),  # fused with the bias in score_mod; auto takes it on CUDA for inference
+    StructuredBackend(),  # far-constant biases: bias-free fused far parts + a tiled band
+    BlockwiseBackend(),  # every bias module and mask, any device
+    ReferenceBackend(),  # everything, materialised
+)
+for _backend in _PRIORITY:
+    register_backend(_backend)

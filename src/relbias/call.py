@@ -1,0 +1,140 @@
+"""One attention call, validated once: what every backend receives.
+
+:func:`make_call` runs every check of :func:`relbias.attention` (types, shapes, devices, the bias, the
+mask, positions, convention and scale) and returns an :class:`AttentionCall`. Backends read their
+inputs from it and never re-validate; ``explain_backend`` builds the same object, so the backend it
+names and the reasons it gives are those of the real call.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import _attention_inputs
+from .biases.base import RelativeBias
+from .positions import Alignment
+
+__all__ = ["AttentionCall", "make_call"]
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """A validated attention call (docs/conventions.md for offsets, alignment and conventions).
+
+    Shape legend: B batch, H num_heads, Lq query_len, Lk key_len, D head_dim, Dv value head_dim.
+
+    Attributes:
+        query: (B, H, Lq, D) float tensor.
+        key: (B, H, Lk, D), same dtype and device.
+        value: (B, H, Lk, Dv), same dtype and device.
+        bias: None, a :class:`relbias.RelativeBias` (num_heads 1 or H), or a float tensor
+            broadcastable to (B, H, Lq, Lk) (logits).
+        mask: None, or the mask made 4-D (leading size-1 dimensions): bool (True = may attend) or
+            additive float (-inf = masked), broadcastable to (B, H, Lq, Lk).
+        is_causal: hide keys with offset ``i - j < 0``.
+        convention: "seed", "additive" or "t5" (resolved: never None).
+        scale: multiplier of ``q . k`` (resolved: 1 for "t5", default ``1 / sqrt(D)`` otherwise).
+        alignment: lengths and absolute positions (tokens) of the query and key blocks.
+        return_lse: whether the caller reads the log-sum-exp; a backend may return None for it when
+            False and computing it would cost extra.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    bias: RelativeBias | torch.Tensor | None
+    mask: torch.Tensor | None
+    is_causal: bool
+    convention: str
+    scale: float
+    alignment: Alignment
+    return_lse: bool = False
+
+    @property
+    def bias_scale(self) -> float:
+        """The factor the convention applies to the bias: ``scale`` for "seed", else 1."""
+        return self.scale if self.convention == "seed" else 1.0
+
+    @property
+    def delta(self) -> int:
+        """``query_start - key_start`` (tokens): the offset of query 0 against key 0."""
+        return self.alignment.query_start - self.alignment.key_start
+
+    @property
+    def bias_module(self) -> RelativeBias | None:
+        """The bias when it is a module, else None."""
+        return self.bias if isinstance(self.bias, RelativeBias) else None
+
+    @property
+    def num_scores(self) -> int:
+        """B·H·Lq·Lk: the number of scores a materialising backend builds."""
+        b, h, lq, _ = self.query.shape
+        return b * h * lq * self.alignment.key_len
+
+    @functools.cached_property
+    def needs_grad(self) -> bool:
+        """Whether autograd will ask for a gradient: grad mode on and an input or bias parameter requires it."""
+        if not torch.is_grad_enabled():
+            return False
+        tensors = [self.query, self.key, self.value]
+        if isinstance(self.bias, RelativeBias):
+            tensors += list(self.bias.parameters())
+        elif isinstance(self.bias, torch.Tensor):
+            tensors.append(self.bias)
+        return any(t.requires_grad for t in tensors)
+
+    @functools.cached_property
+    def keys_and_values_finite(self) -> bool:
+        """True when key and value hold no NaN/inf (always True on the meta device, which has no values).
+
+        Reads every key and value once per call (cached); fused kernels spread NaN/inf of keys a query
+        cannot see to that query (0 * inf), so backends built on them refuse such calls.
+        """
+        return all(t.device.type == "meta" or bool(torch.isfinite(t).all()) for t in (self.key, self.value))
+
+    @functools.cached_property
+    def key_padding(self) -> torch.Tensor | None:
+        """The (Bm, Hm, Lk) bool view of the mask when it is a key padding mask, else None.
+
+        A key padding mask is bool with query dimension 1: (B or 1, H or 1, 1, Lk or 1); Bm and Hm are
+        its batch and head sizes; a key dimension of 1 is expanded to Lk.
+        """
+        mask = self.mask
+        if mask is None or mask.dtype != torch.bool or mask.shape[2] != 1:
+            return None
+        return mask[:, :, 0].expand(mask.shape[0], mask.shape[1], self.alignment.key_len)
+
+
+def make_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: RelativeBias | torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    convention: str | None = None,
+    query_start: int | None = None,
+    key_start: int = 0,
+    return_lse: bool = False,
+) -> AttentionCall:
+    """Validate the arguments of :func:`relbias.attention` and build its :class:`AttentionCall`.
+
+    Arguments as :func:`relbias.attention`.
+
+    Raises:
+        TypeError, ValueError: as :func:`relbias.attention` documents.
+    """
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    alignment = _attention_inputs.check_call(
+        query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
+    )
+    convention, scale = _attention_inputs.resolve_convention(convention, bias, scale, query.shape[-1])
+    if mask is not None:
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    return AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse)
