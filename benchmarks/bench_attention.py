@@ -1,7 +1,8 @@
 """Time and peak memory of relative-bias attention backends against bias-free SDPA.
 
-The same measurement as ``relbias bench`` (see :mod:`relbias.cli.bench` for the methods and how time and
-memory are measured). Examples::
+The same measurement and table as ``relbias bench``: the engine is :mod:`relbias.benchmark` (the methods,
+warm-up, repeats, minimum and median, the fresh-process memory probe, the busy-machine warning); the
+options and the printing are :mod:`relbias.cli.bench`'s. Examples::
 
     python benchmarks/bench_attention.py --n 2048 4096 8192 --mode fwd
     python benchmarks/bench_attention.py --n 4096 --mode fwdbwd --methods structured --json out.json
