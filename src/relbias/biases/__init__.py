@@ -1,12 +1,18 @@
-"""Relative position bias families, one file each, all behind :class:`RelativeBias`."""
+"""Relative position bias families, one file each, all behind :class:`RelativeBias`.
 
-from .alibi import ALiBiBias, alibi_slopes
-from .base import CONVENTIONS, NativeBias, RelativeBias, TableBias
-from .fire import FIREBias
+Each family module registers itself in :data:`FAMILIES` when imported; the imports below run in the
+registry's order (none, offset, t5, alibi, kerple_log, kerple_power, fire), so keep them in this order.
+"""
+
+from .registry import FAMILIES, make_bias, register_family  # first: holds "none"
+from .base import CONVENTIONS, RelativeBias
+from .native import NativeBias
+from .table import TableBias
 from .function import FunctionBias
-from .kerple import KerpleLogBias, KerplePowerBias
 from .offset import PerOffsetBias
 from .t5 import T5Bias
-from .registry import FAMILIES, make_bias, register_family
+from .alibi import ALiBiBias, alibi_slopes
+from .kerple import KerpleLogBias, KerplePowerBias
+from .fire import FIREBias
 
 __all__ = ["ALiBiBias", "CONVENTIONS", "FAMILIES", "FIREBias", "FunctionBias", "KerpleLogBias", "KerplePowerBias", "NativeBias", "PerOffsetBias", "RelativeBias", "T5Bias", "TableBias", "alibi_slopes", "make_bias", "register_family"]

@@ -6,6 +6,7 @@ import torch
 
 from .._int_args import check_int
 from .base import RelativeBias
+from .registry import register_family
 
 __all__ = ["ALiBiBias", "alibi_slopes"]
 
@@ -77,6 +78,7 @@ class ALiBiBias(RelativeBias):
     """
 
     default_convention = "additive"
+    distance_only = True
 
     def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
         super().__init__()
@@ -89,19 +91,20 @@ class ALiBiBias(RelativeBias):
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
         """``-m_h * |offset|`` (bidirectional) or ``-m_h * max(offset, 0)`` (causal): float (H, *S), logits."""
-        distance = offsets.abs() if self.bidirectional else offsets.clamp(min=0)
+        distance = self.distance(offsets)
         slopes = self.slopes.reshape(-1, *([1] * offsets.dim()))  # (H, 1, ..., 1)
         return slopes * (-distance).to(self.slopes.dtype)  # -m_h * distance, without -0.0
 
-    def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
-        """Pairs at the same distance read the same value: ``|offset|`` bidirectional, else the offset."""
-        return offsets.abs() if self.bidirectional else offsets
-
-    @property
-    def num_parameters(self) -> int:
-        """Learnable scalars: 0 (the slopes are fixed)."""
-        return 0
+    def describe(self) -> dict[str, object]:
+        """Constants: ``slopes``, the H slopes ``m_h`` (logits per token of distance)."""
+        return {"slopes": self.slopes.tolist()}
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
 
+
+# ALiBi sizes nothing by max_len: it extrapolates by construction.
+register_family(
+    "alibi",
+    lambda *, num_heads, max_len, bidirectional: ALiBiBias(num_heads, bidirectional=bidirectional),
+)

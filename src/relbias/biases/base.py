@@ -9,49 +9,30 @@ two forms from it:
   (H, Lq, Lk);
 * the materialised form, :meth:`RelativeBias.forward`: shape (H, Lq, Lk).
 
-Families backed by a learnable table (per-offset, T5 buckets) also expose ``weight`` of shape
-(num_entries, H) and :meth:`TableBias.index`, the function from offset to table row.
+The contract also gives every family, with one implementation each: the distance rule
+(:meth:`RelativeBias.distance`), which pairs share a parameter (:meth:`RelativeBias.parameter_key`,
+:meth:`RelativeBias.pairs_sharing`), the count of learnable scalars
+(:attr:`RelativeBias.num_parameters`), the family's constants (:meth:`RelativeBias.describe`, what
+``relbias inspect`` prints) and the far-constant distance (:meth:`RelativeBias.far_constant_distance`).
+
+Families backed by a learnable table (per-offset, T5 buckets) derive from
+:class:`relbias.biases.table.TableBias`. A family registers itself by name in its own module
+(:func:`relbias.biases.registry.register_family`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from ..positions import Alignment, resolve_alignment
+from ..positions import resolve_alignment
+from .native import NativeBias
 
-__all__ = ["CONVENTIONS", "NativeBias", "RelativeBias", "TableBias"]
+__all__ = ["CONVENTIONS", "RelativeBias"]
 
 #: Score conventions (docs/conventions.md): "seed" ``((q.k) + PE) * scale``; "additive" ``(q.k) * scale + PE``;
 #: "t5" ``(q.k) + PE`` (no scaling). A mask is added after all three.
 CONVENTIONS = ("seed", "additive", "t5")
-
-
-@dataclass(frozen=True)
-class NativeBias:
-    """A bias in its native per-offset form for one (query, key) block.
-
-    Attributes:
-        values: float tensor (H, num_offsets); ``values[h, n]`` is the bias of head ``h`` at offset
-            ``min_offset + n`` (logits, before any scaling the score convention applies).
-        alignment: the block's lengths and positions; ``alignment.min_offset`` is the offset of
-            column 0.
-    """
-
-    values: torch.Tensor
-    alignment: Alignment
-
-    @property
-    def min_offset(self) -> int:
-        return self.alignment.min_offset
-
-    def materialize(self) -> torch.Tensor:
-        """The (H, Lq, Lk) bias: ``values[:, offsets - min_offset]``."""
-        a = self.alignment
-        index = a.offsets(self.values.device) - a.min_offset
-        return self.values[:, index]
 
 
 class RelativeBias(nn.Module):
@@ -61,6 +42,8 @@ class RelativeBias(nn.Module):
     broadcasts), ``bidirectional`` (False: defined for past keys only, offset >= 0; future keys must be
     masked) and ``default_convention`` (one of :data:`CONVENTIONS`, used by
     :func:`relbias.attention` when no convention is given), and implement :meth:`offset_values`.
+    Everything else has a default: a new family is one class plus one
+    :func:`relbias.biases.register_family` call, in one file.
     """
 
     num_heads: int
@@ -70,6 +53,9 @@ class RelativeBias(nn.Module):
     #: query position (FIRE normalises by it) sets False, overrides :meth:`pair_values`, and has no
     #: per-offset native form.
     offset_only: bool = True
+    #: True when the bias is a function of :meth:`distance` alone (ALiBi, KERPLE): pairs at the same
+    #: distance read the same value, which :meth:`parameter_key` then reports.
+    distance_only: bool = False
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
         """Bias values at the given offsets.
@@ -99,13 +85,47 @@ class RelativeBias(nn.Module):
         """
         return self.offset_values(query_positions[:, None] - key_positions[None, :])
 
+    def distance(self, offsets: torch.Tensor) -> torch.Tensor:
+        """The distance a distance-based family penalises, per offset: int64 tensor, same shape, tokens.
+
+        ``|i - j|`` when ``bidirectional``; causal: ``max(i - j, 0)``, so future keys (offset < 0) get
+        distance 0 (and the family's value at 0; they are masked). Used by ALiBi, KERPLE and FIRE.
+
+        Args:
+            offsets: int64 tensor of any shape, offsets ``i - j`` in tokens.
+        """
+        return offsets.abs() if self.bidirectional else offsets.clamp(min=0)
+
     def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
         """Identifier of the parameter (or function value) each offset reads: int64, same shape.
 
-        Two (query, key) pairs share a parameter exactly when their keys are equal. The default is
-        the offset itself (a general function of the offset); table families return the table row.
+        Two (query, key) pairs share a parameter exactly when their keys are equal. The default is the
+        offset itself (a general function of the offset), or ``|offset|`` for a bidirectional
+        ``distance_only`` family (a key d tokens before the query reads what one d tokens after does);
+        table families return the table row (:meth:`relbias.TableBias.index`).
         """
-        return offsets
+        return offsets.abs() if self.distance_only and self.bidirectional else offsets
+
+    @property
+    def num_parameters(self) -> int:
+        """Number of learnable scalars: the total ``numel`` of the module's parameters, each counted once.
+
+        Frozen parameters (``requires_grad=False``) count too, so the number describes the family and its
+        settings rather than a training setup; buffers (e.g. ALiBi's slopes) do not. T5: num_buckets * H;
+        per-offset: rows * H; KERPLE: 2 H; ALiBi: 0.
+        """
+        return sum(p.numel() for p in self.parameters())
+
+    def describe(self) -> dict[str, object]:
+        """The family's own constants, human-readable and JSON-ready; what ``relbias inspect`` prints.
+
+        Keys name a constructor setting or a derived constant (e.g. T5 ``num_buckets``, ALiBi ``slopes``);
+        values are ints, floats, bools, strings, None, or lists of floats (one per head). Learnable
+        constants are reported at their current values. The attributes every bias has (``num_heads``,
+        ``bidirectional``, ``default_convention``, ``offset_only``, :attr:`num_parameters`) are not
+        repeated. The default is ``{}``.
+        """
+        return {}
 
     def far_constant_distance(self) -> int | None:
         """The distance T (tokens, >= 1) from which the bias is one constant per direction, or None.
@@ -198,25 +218,3 @@ class RelativeBias(nn.Module):
         if not self.bidirectional:
             same &= offsets >= 0
         return same.nonzero()
-
-
-class TableBias(RelativeBias):
-    """A bias read from a learnable table ``weight`` of shape (num_entries, H) through :meth:`index`."""
-
-    weight: nn.Parameter
-
-    def index(self, offsets: torch.Tensor) -> torch.Tensor:
-        """Table row of each offset: int64 tensor, same shape as ``offsets``."""
-        raise NotImplementedError
-
-    def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
-        return self.index(offsets)
-
-    def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
-        # weight[index]: (*S, H) -> (H, *S)
-        return self.weight[self.index(offsets)].movedim(-1, 0)
-
-    @property
-    def num_parameters(self) -> int:
-        """Number of learnable scalars, ``num_entries * H``."""
-        return self.weight.numel()

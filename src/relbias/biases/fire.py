@@ -10,6 +10,7 @@ from torch import nn
 
 from .._int_args import check_int
 from .base import RelativeBias
+from .registry import register_family
 
 __all__ = ["FIREBias"]
 
@@ -137,7 +138,7 @@ class FIREBias(RelativeBias):
         dtype = self.log_c.dtype
         c = self.c
         offsets = query_positions[:, None] - key_positions[None, :]  # (Tq, Tk), i - j
-        distance = offsets.abs() if self.bidirectional else offsets.clamp(min=0)
+        distance = self.distance(offsets)
         numerator = torch.log1p(c * distance.to(dtype))
         if self.bidirectional:
             numerator = numerator * offsets.sign().to(dtype)
@@ -170,10 +171,22 @@ class FIREBias(RelativeBias):
             mine = torch.maximum(level.new_tensor(float(query)), self.threshold)
         return same_offset[level == mine]
 
-    @property
-    def num_parameters(self) -> int:
-        """Learnable scalars: the MLP's ``2 W + W H + H`` (W = hidden_width) plus c and L."""
-        return sum(p.numel() for p in self.parameters())
+    def describe(self) -> dict[str, object]:
+        """Constants: ``c`` and ``threshold`` (L, tokens) at their current values, ``hidden_width``, ``eps``.
+
+        :attr:`num_parameters` is the MLP's ``2 W + W H + H`` (W = hidden_width) plus c and L.
+        """
+        with torch.no_grad():
+            c, threshold = float(self.c), float(self.threshold)
+        return {"c": c, "threshold": threshold, "hidden_width": self.hidden_width, "eps": self.eps}
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, bidirectional={self.bidirectional}, hidden_width={self.hidden_width}"
+
+
+# FIRE sizes nothing by max_len (progressive interpolation normalises by the query position); options go
+# to the constructor (hidden_width=, init_c=, init_threshold=, eps=).
+register_family(
+    "fire",
+    lambda *, num_heads, max_len, bidirectional, **o: FIREBias(num_heads, bidirectional=bidirectional, **o),
+)

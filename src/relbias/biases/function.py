@@ -78,3 +78,7 @@ class FunctionBias(RelativeBias):
                     f"finite (hide keys with mask=, not with an infinite bias)"
                 )
         return values
+
+    def describe(self) -> dict[str, object]:
+        """Constants: ``function``, the name of ``fn`` (its ``__qualname__``, or its class name)."""
+        return {"function": getattr(self.fn, "__qualname__", type(self.fn).__name__)}

@@ -22,6 +22,7 @@ from torch import nn
 
 from .._int_args import check_int
 from .base import RelativeBias
+from .registry import register_family
 
 __all__ = ["KerpleLogBias", "KerplePowerBias"]
 
@@ -53,9 +54,10 @@ def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
 
 
 class _KerpleBias(RelativeBias):
-    """Shared part of the two KERPLE variants: parameters, checks, symmetric distance, sharing key."""
+    """Shared part of the two KERPLE variants: parameters, checks, constants (the distance is the base's)."""
 
     default_convention = "additive"
+    distance_only = True
     _r2_high: float = 2.0  # bound of the default initialisation of r2 (U(0, 1) log, U(0, 2) power)
     _r1_high: float = 2.0
     _r2_bounded: bool = False  # True: r2 must lie in (0, _r2_high)
@@ -93,27 +95,19 @@ class _KerpleBias(RelativeBias):
         """Shape parameter r2 of each head, > 0: (H,) in the parameters' dtype."""
         return F.softplus(self.raw_r2)
 
-    def _distance(self, offsets: torch.Tensor) -> torch.Tensor:
-        # |i - j| bidirectional; causal: past keys only, future keys get distance 0 (bias 0, masked).
-        return offsets.abs() if self.bidirectional else offsets.clamp(min=0)
-
     def _kernel(self, r1: torch.Tensor, r2: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
         """The kernel at each offset: float (H, *S), logits, in the parameters' dtype; 0 at offset 0."""
         shape = (-1, *([1] * offsets.dim()))
-        distance = self._distance(offsets).to(self.raw_r1.dtype)
+        distance = self.distance(offsets).to(self.raw_r1.dtype)
         return self._kernel(self.r1.reshape(shape), self.r2.reshape(shape), distance)
 
-    def parameter_key(self, offsets: torch.Tensor) -> torch.Tensor:
-        """Pairs at the same distance read the same value: ``|offset|`` bidirectional, else the offset."""
-        return offsets.abs() if self.bidirectional else offsets
-
-    @property
-    def num_parameters(self) -> int:
-        """Learnable scalars: ``2 * H``."""
-        return 2 * self.num_heads
+    def describe(self) -> dict[str, object]:
+        """Constants: ``r1`` and ``r2``, H values each, at their current (learned) values."""
+        with torch.no_grad():
+            return {"r1": self.r1.tolist(), "r2": self.r2.tolist()}
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, bidirectional={self.bidirectional}"
@@ -199,3 +193,15 @@ class KerplePowerBias(_KerpleBias):
 
     def _kernel(self, r1: torch.Tensor, r2: torch.Tensor, distance: torch.Tensor) -> torch.Tensor:
         return -r1 * distance.pow(r2)
+
+
+# KERPLE sizes nothing by max_len (it extrapolates by construction); options go to the constructor
+# (init_r1=, init_r2=).
+register_family(
+    "kerple_log",
+    lambda *, num_heads, max_len, bidirectional, **o: KerpleLogBias(num_heads, bidirectional=bidirectional, **o),
+)
+register_family(
+    "kerple_power",
+    lambda *, num_heads, max_len, bidirectional, **o: KerplePowerBias(num_heads, bidirectional=bidirectional, **o),
+)

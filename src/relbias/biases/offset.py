@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from .._int_args import check_int
-from .base import TableBias
+from .registry import register_family
+from .table import TableBias
 
 __all__ = ["PerOffsetBias"]
 
@@ -130,8 +131,20 @@ class PerOffsetBias(TableBias):
         """
         return self.max_table_offset if self.out_of_range == "clip" else None
 
+    def describe(self) -> dict[str, object]:
+        """Constants: ``max_len`` (L, tokens), ``max_table_offset`` (L - 1) and ``out_of_range``."""
+        return {"max_len": self.max_len, "max_table_offset": self.max_table_offset, "out_of_range": self.out_of_range}
+
     def extra_repr(self) -> str:
         return (
             f"max_len={self.max_len}, num_heads={self.num_heads}, bidirectional={self.bidirectional}, "
             f"out_of_range={self.out_of_range!r}"
         )
+
+
+register_family(
+    "offset",
+    lambda *, num_heads, max_len, bidirectional, **o: PerOffsetBias(
+        max_len, num_heads=num_heads, bidirectional=bidirectional, **o
+    ),
+)

@@ -1,25 +1,41 @@
-"""Bias families by name, so that models, experiments and the CLI can pick one from a config string."""
+"""Bias families by name, so that models, experiments and the CLI can pick one from a config string.
+
+Each family module registers itself at import (``register_family(...)`` at its end); importing
+:mod:`relbias.biases` imports them all, in the order of :data:`FAMILIES`.
+"""
 
 from __future__ import annotations
 
 import re
 from typing import Callable
 
-from .alibi import ALiBiBias
 from .base import RelativeBias
-from .fire import FIREBias
-from .kerple import KerpleLogBias, KerplePowerBias
-from .offset import PerOffsetBias
-from .t5 import T5Bias
 
 __all__ = ["FAMILIES", "make_bias", "register_family"]
 
-#: name -> factory(num_heads, max_len, bidirectional, **options) -> RelativeBias or None ("none": NoPE).
+#: name -> factory(num_heads, max_len, bidirectional, **options) -> RelativeBias or None ("none": NoPE),
+#: in registration order: none, offset, t5, alibi, kerple_log, kerple_power, fire, then any added later
+#: (``relbias extrapolate`` runs them in this order by default).
 FAMILIES: dict[str, Callable[..., RelativeBias | None]] = {}
 
 
 def register_family(name: str, factory: Callable[..., RelativeBias | None]) -> None:
     """Register ``factory(*, num_heads, max_len, bidirectional, **options)`` under ``name``.
+
+    Args:
+        name: the family's config name, a new key of :data:`FAMILIES` (appended, so it comes last).
+        factory: called by :func:`make_bias` with keyword arguments only: ``num_heads`` (H, int),
+            ``max_len`` (longest training length, tokens; a family that sizes nothing by it ignores it),
+            ``bidirectional`` (bool) and the caller's family options; returns a :class:`RelativeBias`
+            (or None for no bias).
+
+    Example:
+        At the end of the family's own module (see ``relbias/biases/alibi.py``)::
+
+            register_family(
+                "my_family",
+                lambda *, num_heads, max_len, bidirectional: MyBias(num_heads, bidirectional=bidirectional),
+            )
 
     Raises:
         ValueError: ``name`` is already registered.
@@ -62,31 +78,3 @@ def make_bias(
 # NoPE ("no position encoding"): the explicit choice of no position bias at all; make_bias returns None
 # and attention runs on the plain scores (Kazemnejad et al. 2023 study causal language models without it).
 register_family("none", lambda *, num_heads, max_len, bidirectional: None)
-register_family(
-    "offset",
-    lambda *, num_heads, max_len, bidirectional, **o: PerOffsetBias(
-        max_len, num_heads=num_heads, bidirectional=bidirectional, **o
-    ),
-)
-register_family(
-    "t5",
-    lambda *, num_heads, max_len, bidirectional, **o: T5Bias(num_heads, bidirectional=bidirectional, **o),
-)
-# ALiBi, KERPLE and FIRE do not size anything by max_len (they extrapolate by construction); options
-# go to their constructors (e.g. init_r1=, init_r2= for KERPLE; hidden_width=, init_threshold= for FIRE).
-register_family(
-    "alibi",
-    lambda *, num_heads, max_len, bidirectional: ALiBiBias(num_heads, bidirectional=bidirectional),
-)
-register_family(
-    "kerple_log",
-    lambda *, num_heads, max_len, bidirectional, **o: KerpleLogBias(num_heads, bidirectional=bidirectional, **o),
-)
-register_family(
-    "kerple_power",
-    lambda *, num_heads, max_len, bidirectional, **o: KerplePowerBias(num_heads, bidirectional=bidirectional, **o),
-)
-register_family(
-    "fire",
-    lambda *, num_heads, max_len, bidirectional, **o: FIREBias(num_heads, bidirectional=bidirectional, **o),
-)

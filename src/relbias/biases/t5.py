@@ -7,7 +7,8 @@ from torch import nn
 
 from .._int_args import check_int
 from ..buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
-from .base import TableBias
+from .registry import register_family
+from .table import TableBias
 
 __all__ = ["T5Bias"]
 
@@ -86,8 +87,22 @@ class T5Bias(TableBias):
         """
         return self.saturation_distance
 
+    def describe(self) -> dict[str, object]:
+        """Constants: ``num_buckets``, ``max_distance`` (tokens) and ``saturation_distance`` (tokens)."""
+        return {
+            "num_buckets": self.num_buckets,
+            "max_distance": self.max_distance,
+            "saturation_distance": self.saturation_distance,
+        }
+
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_buckets={self.num_buckets}, max_distance={self.max_distance}, "
             f"bidirectional={self.bidirectional}"
         )
+
+
+register_family(
+    "t5",
+    lambda *, num_heads, max_len, bidirectional, **o: T5Bias(num_heads, bidirectional=bidirectional, **o),
+)
