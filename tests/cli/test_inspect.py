@@ -111,6 +111,22 @@ def test_safetensors_decoder_table_is_read_as_causal(tmp_path, capsys):
     assert png_size(tmp_path / "t5_table_heatmap.png") == (240, 200)
 
 
+def test_prefixed_half_precision_table_is_named_as_stored_and_read_as_float32(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    from relbias.integrations.loading import t5_bias_from_file
+
+    state = {f"model.{k}": v.half() for k, v in _hf_state().items()}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    info = run_json(capsys, "--state", str(tmp_path / "model.safetensors"), "--no-plots")
+    assert info["source"]["key"] == "model.encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    before = torch.random.get_rng_state()
+    bias, where = t5_bias_from_file(tmp_path / "model.safetensors", stack="decoder")
+    assert torch.equal(torch.random.get_rng_state(), before)  # building the module draws no random numbers
+    assert where.startswith("model.decoder.block.0") and bias.weight.dtype == torch.float32
+    assert torch.equal(bias.weight, state[where].float()) and not bias.bidirectional
+
+
 def test_pt_file_with_a_bare_table_and_text_output(tmp_path, capsys):
     table = torch.randn(8, 2)
     torch.save(table, tmp_path / "table.pt")
@@ -151,6 +167,7 @@ def test_bad_state_files_exit_2_with_a_clear_message(tmp_path, capsys):
     torch.save({"a": torch.randn(4, 2), "b": torch.randn(4, 2)}, tmp_path / "two.pt")
     torch.save({"weight": torch.randn(32)}, tmp_path / "flat.pt")
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
     from safetensors.torch import save_file
 
     save_file(_hf_state(), str(tmp_path / "model.safetensors"))
@@ -159,6 +176,7 @@ def test_bad_state_files_exit_2_with_a_clear_message(tmp_path, capsys):
         ([str(tmp_path / "flat.pt"), "--key", "weight"], "a T5 table is 2-D float"),
         ([str(tmp_path / "two.pt"), "--key", "c"], "has no tensor 'c'"),
         ([str(tmp_path / "junk.pt")], "could not read"),
+        ([str(tmp_path / "junk.safetensors")], "could not read"),
         ([str(tmp_path / "model.safetensors"), "--causal"], "the encoder table of a T5 model is bidirectional"),
         ([str(tmp_path / "model.safetensors"), "--num-heads", "8"], "--num-heads 8 does not match"),
     ]

@@ -2,7 +2,7 @@
 
 For a family and its settings (``--family``), or for a T5 bias table in a state_dict / safetensors file
 (``--state``), prints the bucket map where there is one (:func:`relbias.t5_bucket_ranges`), the number of
-learnable scalars, the family's own constants (ALiBi slopes, KERPLE r1/r2, FIRE c and L), and which
+learnable scalars, the family's own constants (ALiBi slopes, KERPLE r1/r2, FIRE c and L, ...), and which
 (query, key) pairs read the same parameter (:meth:`relbias.RelativeBias.pairs_sharing`); writes two PNG
 plots: bias vs offset (one line per head) and the (Lq, Lk) bias heatmap of every head. ``--json`` prints
 the same, machine-readable. Plots need matplotlib (the ``cli`` extra). Offsets are ``i - j``, query minus
@@ -20,9 +20,10 @@ import re
 import torch
 
 from .buckets import format_range as _fmt
-from ..biases import FAMILIES, ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, RelativeBias, T5Bias, make_bias
+from ..biases import FAMILIES, RelativeBias, make_bias
+from ..integrations.loading import t5_bias_from_file
 
-__all__ = ["register", "run", "load_t5_table", "bias_vs_offset"]
+__all__ = ["register", "run", "describe", "bias_vs_offset"]
 
 _DPI = 100
 _MISSING_MATPLOTLIB = (
@@ -63,117 +64,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-# ---------------------------------------------------------------- loading a T5 table from a file
-
-
-def _read_tensors(path: str, key: str | None) -> dict[str, torch.Tensor]:
-    """Tensors of a state_dict / safetensors file: only ``key`` when given (safetensors reads nothing else)."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no file at {path!r}")
-    if path.endswith(".safetensors"):
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise RuntimeError("reading .safetensors needs the safetensors package: pip install 'relbias[hf]'") from None
-        try:
-            with safe_open(path, framework="pt", device="cpu") as handle:
-                keys = list(handle.keys())
-                if key is not None and key not in keys:
-                    raise ValueError(f"{path} has no tensor {key!r}; it holds {_some(keys)}")
-                return {k: handle.get_tensor(k) for k in ([key] if key is not None else keys)}
-        except ValueError:
-            raise
-        except Exception as exc:  # safetensors raises its own error type for a damaged file
-            raise ValueError(f"could not read {path} as safetensors: {exc}") from None
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # pickle / zip errors of a file that is not a state_dict
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"could not read {path} as a PyTorch state_dict: {first_line}") from None
-    if isinstance(obj, torch.Tensor):
-        obj = {"<tensor>": obj}
-    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        raise ValueError(f"{path} holds a {type(obj).__name__}, not a state_dict of tensors or a single tensor")
-    if key is not None and key not in obj:
-        raise ValueError(f"{path} has no tensor {key!r}; it holds {_some(list(obj))}")
-    return obj if key is None else {key: obj[key]}
-
-
-def _some(keys: list[str], n: int = 8) -> str:
-    return ", ".join(repr(k) for k in keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
-
-
-def load_t5_table(
-    path: str,
-    *,
-    key: str | None = None,
-    stack: str | None = None,
-    bidirectional: bool | None = None,
-    max_distance: int = 128,
-) -> tuple[T5Bias, str]:
-    """A :class:`relbias.T5Bias` holding a (num_buckets, num_heads) table from a file.
-
-    Args:
-        path: a ``torch.save`` state_dict or tensor (.pt, .bin, ...) or a ``.safetensors`` file.
-        key: the tensor to read. Default: the Hugging Face table of ``stack`` (T5, mT5, UMT5 layout, via
-            :mod:`relbias.integrations.loading`; layer 0), else the file's only 2-D float tensor.
-        stack: "encoder" (default when present) or "decoder", for a Hugging Face file.
-        bidirectional: the table's direction; default: the Hugging Face stack's (encoder bidirectional,
-            decoder causal), or for ``key`` causal when the name contains "decoder", else bidirectional.
-        max_distance: T5 max_distance in tokens (not stored in the weights; 128 for released T5 models).
-
-    Returns:
-        ``(bias, where)``: the module (float32 weight) and the tensor's name in the file.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: unreadable file, no or several candidate tables, a tensor that is not 2-D float, a
-            direction contradicting a Hugging Face stack, invalid bucket settings.
-        RuntimeError: safetensors is not installed.
-    """
-    tensors = _read_tensors(path, key)
-    if key is None:
-        from ..integrations.loading import t5_biases_from_state_dict
-
-        try:
-            biases = t5_biases_from_state_dict(tensors, max_distance=max_distance)
-        except ValueError as exc:
-            if "no T5 relative position table" not in str(exc):
-                raise
-            biases = None
-        if biases is not None:
-            stack = stack or ("encoder" if biases.encoder else "decoder")
-            found = biases.stack(stack)
-            if not found:
-                raise ValueError(f"{path} has no {stack} table")
-            if bidirectional is not None and bidirectional != (stack == "encoder"):
-                raise ValueError(
-                    f"the {stack} table of a T5 model is {'bidirectional' if stack == 'encoder' else 'causal'}; "
-                    f"drop --causal/--bidirectional and pick the table with --stack"
-                )
-            bias = found[0]
-            bias.weight = torch.nn.Parameter(bias.weight.detach().float())
-            return bias, f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-        tables = [k for k, v in tensors.items() if v.dim() == 2 and v.is_floating_point()]
-        if len(tables) != 1:
-            raise ValueError(
-                f"{path}: found {len(tables)} 2-D float tensors ({_some(tables)}) and no Hugging Face T5 table; "
-                f"name the (num_buckets, num_heads) table with --key"
-            )
-        key = tables[0]
-    table = tensors[key]
-    if table.dim() != 2 or not table.is_floating_point():
-        raise ValueError(f"{key!r} has shape {tuple(table.shape)} and dtype {table.dtype}; a T5 table is 2-D float "
-                         f"(num_buckets, num_heads)")
-    if bidirectional is None:
-        bidirectional = "decoder" not in key
-    num_buckets, num_heads = table.shape
-    with torch.random.fork_rng(devices=[]):
-        bias = T5Bias(num_heads, num_buckets=num_buckets, max_distance=max_distance, bidirectional=bidirectional)
-    bias.weight = torch.nn.Parameter(table.detach().float().clone())
-    return bias, key
-
-
 # ---------------------------------------------------------------- what to show
 
 
@@ -191,17 +81,6 @@ def bias_vs_offset(bias: RelativeBias | None, offsets: torch.Tensor, query_posit
             return bias.offset_values(offsets).float()
         query = torch.tensor([query_position])
         return bias.pair_values(query, query - offsets)[:, 0].float()
-
-
-def _family_constants(bias: RelativeBias | None) -> dict[str, object]:
-    with torch.no_grad():
-        if isinstance(bias, ALiBiBias):
-            return {"slopes": bias.slopes.tolist()}
-        if isinstance(bias, (KerpleLogBias, KerplePowerBias)):
-            return {"r1": bias.r1.tolist(), "r2": bias.r2.tolist()}
-        if isinstance(bias, FIREBias):
-            return {"c": float(bias.c), "threshold": float(bias.threshold), "hidden_width": bias.hidden_width}
-    return {}
 
 
 def _pairs_sharing(bias: RelativeBias | None, query: int, key: int, length: int, causal: bool) -> torch.Tensor:
@@ -237,10 +116,13 @@ def _build(args: argparse.Namespace) -> tuple[RelativeBias | None, dict[str, obj
     """The bias, a description of its source, H, and whether it is causal."""
     if args.state is not None:
         bidirectional = True if args.bidirectional else False if args.causal else None
-        bias, where = load_t5_table(
-            args.state, key=args.key, stack=args.stack, bidirectional=bidirectional,
-            max_distance=args.max_distance if args.max_distance is not None else 128,
-        )
+        try:
+            bias, where = t5_bias_from_file(
+                args.state, key=args.key, stack=args.stack, bidirectional=bidirectional,
+                max_distance=args.max_distance if args.max_distance is not None else 128,
+            )
+        except ImportError as exc:  # no safetensors: a clear message and exit status 2, as for other errors
+            raise RuntimeError(str(exc)) from None
         for name, value, actual in (("num-heads", args.num_heads, bias.num_heads), ("num-buckets", args.num_buckets, bias.num_buckets)):
             if value is not None and value != actual:
                 raise ValueError(f"--{name} {value} does not match the table in {args.state}, which has {actual}")
@@ -255,7 +137,25 @@ def _build(args: argparse.Namespace) -> tuple[RelativeBias | None, dict[str, obj
 
 
 def describe(args: argparse.Namespace) -> tuple[dict[str, object], torch.Tensor, torch.Tensor]:
-    """Everything ``inspect`` reports, JSON-ready, plus the curves (H, n) and heatmaps (H, L, L) to plot."""
+    """Everything ``inspect`` reports, JSON-ready, plus the curves and heatmaps to plot.
+
+    The bias comes from :func:`relbias.biases.make_bias` (``args.family``, any registered family) or from
+    :func:`relbias.integrations.loading.t5_bias_from_file` (``args.state``); what is reported comes from its
+    contract: :attr:`relbias.RelativeBias.num_parameters`, :meth:`relbias.RelativeBias.describe` (the
+    ``"constants"``), :meth:`relbias.RelativeBias.pairs_sharing`, and ``bucket_ranges()`` where the family has
+    one.
+
+    Args:
+        args: the parsed ``inspect`` arguments (see :func:`register`).
+
+    Returns:
+        ``(info, curves, heatmaps)``: the JSON-ready report; float32 (H, n) bias of each head at the n offsets of
+        ``info["bias_vs_offset"]["offsets"]``; float32 (H, L, L) bias of every pair, NaN at masked (future) keys
+        when causal (L = ``args.max_len``).
+
+    Raises:
+        ValueError, FileNotFoundError, RuntimeError: bad settings or files (the CLI prints them, exit status 2).
+    """
     _check_args(args)
     bias, source, num_heads, causal = _build(args)
     length = args.max_len
@@ -276,15 +176,16 @@ def describe(args: argparse.Namespace) -> tuple[dict[str, object], torch.Tensor,
         "bidirectional": not causal,
         "default_convention": bias.default_convention if bias is not None else None,
         "offset_only": bias.offset_only if bias is not None else True,
-        "parameter_count": sum(p.numel() for p in bias.parameters()) if bias is not None else 0,
-        "constants": _family_constants(bias),
+        "parameter_count": bias.num_parameters if bias is not None else 0,
+        "constants": bias.describe() if bias is not None else {},
         "bucket_map": None,
         "pairs_sharing": {"query": query, "key": key, "length": length, "count": len(pairs), "pairs": pairs.tolist()},
         "bias_vs_offset": {"query_position": length - 1, "offsets": offsets.tolist(), "values": curves.tolist()},
         "plots": {},
     }
-    if isinstance(bias, T5Bias):
-        info["bucket_map"] = [{"bucket": b, "lowest_offset": lo, "highest_offset": hi} for b, lo, hi in bias.bucket_ranges()]
+    bucket_ranges = getattr(bias, "bucket_ranges", None)  # a family that buckets offsets lists them (T5Bias)
+    if bucket_ranges is not None:
+        info["bucket_map"] = [{"bucket": b, "lowest_offset": lo, "highest_offset": hi} for b, lo, hi in bucket_ranges()]
     return info, curves, heatmaps
 
 
@@ -336,6 +237,13 @@ def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor,
     return paths
 
 
+def _shown(value: object) -> str:
+    """A constant of :meth:`relbias.RelativeBias.describe` as text: floats to 4 significant digits."""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_shown(v) for v in value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 def _print_text(info: dict[str, object], args: argparse.Namespace) -> None:
     source = info["source"]
     origin = f"file {source['file']}, tensor {source['key']}" if "file" in source else f"family {source['family']}"
@@ -344,8 +252,7 @@ def _print_text(info: dict[str, object], args: argparse.Namespace) -> None:
           + (f", score convention {info['default_convention']!r}" if info["default_convention"] else ""))
     print(f"learnable parameters: {info['parameter_count']}")
     for name, value in info["constants"].items():
-        shown = ", ".join(f"{v:.4g}" for v in value) if isinstance(value, list) else f"{value:.4g}"
-        print(f"  {name}: {shown}")
+        print(f"  {name}: {_shown(value)}")
     if info["bucket_map"] is not None:
         print("bucket map (offsets i - j, query minus key position):")
         for entry in info["bucket_map"]:

@@ -10,6 +10,9 @@ Encoder tables are bidirectional, decoder self-attention tables causal (``bidire
 has no position bias (old checkpoints may hold an unused ``EncDecAttention.relative_attention_bias``: it is ignored,
 as Hugging Face ignores it). A table has shape ``(num_buckets, num_heads)``, the layout of ``T5Bias.weight``.
 
+Files: :func:`t5_biases_from_safetensors` reads every table of a checkpoint; :func:`t5_bias_from_file` reads one
+table from a state_dict / tensor file or a ``.safetensors`` file (what ``relbias inspect --state`` shows).
+
 Nothing here imports transformers: the model functions read the module tree by attribute names only.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +28,7 @@ from torch import nn
 
 from ..biases.t5 import T5Bias
 
-__all__ = ["T5Biases", "t5_biases_from_model", "t5_biases_from_safetensors", "t5_biases_from_state_dict"]
+__all__ = ["T5Biases", "t5_bias_from_file", "t5_biases_from_model", "t5_biases_from_safetensors", "t5_biases_from_state_dict"]
 
 STACKS = ("encoder", "decoder")
 
@@ -70,8 +73,8 @@ class T5Biases:
 def _make_bias(table: torch.Tensor, *, bidirectional: bool, max_distance: int, share: bool, where: str) -> T5Bias:
     """A T5Bias whose ``weight`` is ``table`` itself (``share``) or a detached copy of it."""
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or not table.is_floating_point():
-        shape = tuple(table.shape) if isinstance(table, torch.Tensor) else type(table).__name__
-        raise ValueError(f"{where}: expected a float table of shape (num_buckets, num_heads), got {shape}")
+        got = f"shape {tuple(table.shape)} and dtype {table.dtype}" if isinstance(table, torch.Tensor) else type(table).__name__
+        raise ValueError(f"{where} has {got}; a T5 table is 2-D float (num_buckets, num_heads)")
     num_buckets, num_heads = table.shape
     # T5Bias draws a random initial table; keep the caller's random stream untouched.
     with torch.random.fork_rng(devices=[]):
@@ -263,18 +266,137 @@ def t5_biases_from_safetensors(
     Raises:
         ImportError: safetensors is not installed (``pip install relbias[hf]``).
         FileNotFoundError: no such file.
-        ValueError: as :func:`t5_biases_from_state_dict`.
+        ValueError: a file safetensors cannot read; as :func:`t5_biases_from_state_dict`.
     """
-    try:
-        from safetensors import safe_open
-    except ImportError as exc:  # pragma: no cover - safetensors is a dependency of the hf extra
-        raise ImportError("reading .safetensors needs the safetensors package: pip install 'relbias[hf]'") from exc
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no safetensors file at {os.fspath(path)!r}")
-    with safe_open(os.fspath(path), framework="pt", device=str(device)) as handle:
-        keys = list(handle.keys())
-        wanted = [key for key in keys if _TABLE_KEY.match(key)]
-        # Only the tables are read; other keys are passed as placeholders so the layer count can be derived.
-        state = {key: handle.get_tensor(key) for key in wanted}
+    keys, tables = _read_tensors(path, lambda key: bool(_TABLE_KEY.match(key)), device=device)
+    return t5_biases_from_state_dict(_with_placeholders(keys, tables), max_distance=max_distance)
+
+
+def _with_placeholders(keys: list[str], tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict with every key: ``tensors`` as read, empty placeholders for the rest (they only count layers)."""
     placeholder = torch.empty(0)
-    return t5_biases_from_state_dict({**{key: placeholder for key in keys}, **state}, max_distance=max_distance)
+    return {**{key: placeholder for key in keys}, **tensors}
+
+
+def _read_tensors(
+    path: str | os.PathLike, wanted: Callable[[str], bool], *, device: str | torch.device = "cpu"
+) -> tuple[list[str], dict[str, torch.Tensor]]:
+    """Every key of a tensor file and the tensors of the ``wanted`` keys.
+
+    A ``.safetensors`` file is read through its header, loading only the wanted tensors; any other file is
+    ``torch.load``-ed (``weights_only=True``) and must hold a state_dict of tensors or one tensor (named
+    ``"<tensor>"``).
+
+    Raises:
+        ImportError: a ``.safetensors`` file and no safetensors package.
+        ValueError: a file that cannot be read as either, or holding something else.
+    """
+    path = os.fspath(path)
+    if path.endswith(".safetensors"):
+        try:
+            from safetensors import safe_open
+        except ImportError as exc:  # pragma: no cover - safetensors is a dependency of the hf extra
+            raise ImportError("reading .safetensors needs the safetensors package: pip install 'relbias[hf]'") from exc
+        try:
+            with safe_open(path, framework="pt", device=str(device)) as handle:
+                keys = list(handle.keys())
+                return keys, {key: handle.get_tensor(key) for key in keys if wanted(key)}
+        except Exception as exc:  # safetensors raises its own error type for a damaged file
+            raise ValueError(f"could not read {path} as safetensors: {exc}") from None
+    try:
+        obj = torch.load(path, map_location=device, weights_only=True)
+    except Exception as exc:  # pickle / zip errors of a file that is not a state_dict
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(f"could not read {path} as a PyTorch state_dict: {first_line}") from None
+    if isinstance(obj, torch.Tensor):
+        obj = {"<tensor>": obj}
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, not a state_dict of tensors or a single tensor")
+    return list(obj), {key: value for key, value in obj.items() if wanted(key)}
+
+
+def _some(keys: list[str], n: int = 8) -> str:
+    return ", ".join(repr(k) for k in keys[:n]) + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def t5_bias_from_file(
+    path: str | os.PathLike,
+    *,
+    key: str | None = None,
+    stack: str | None = None,
+    bidirectional: bool | None = None,
+    max_distance: int = 128,
+) -> tuple[T5Bias, str]:
+    """A :class:`relbias.T5Bias` holding one (num_buckets, num_heads) table from a file.
+
+    Args:
+        path: a ``torch.save`` state_dict or tensor (.pt, .bin, ...) or a ``.safetensors`` file (only the tables
+            are read from it).
+        key: the tensor to read. Default: the Hugging Face table of ``stack`` (T5, mT5, UMT5 layout, as
+            :func:`t5_biases_from_state_dict`; layer 0), else the file's only 2-D float tensor.
+        stack: "encoder" (default when the file has one) or "decoder", for a Hugging Face file.
+        bidirectional: the table's direction; default: the Hugging Face stack's (encoder bidirectional, decoder
+            causal), or for ``key`` causal when the name contains "decoder", else bidirectional.
+        max_distance: T5 max_distance in tokens (not stored in the weights; 128 for released T5 models).
+
+    Returns:
+        ``(bias, where)``: the module (float32 ``weight``, a copy; the random stream is left untouched) and the
+        tensor's name in the file (``"<tensor>"`` for a file holding one bare tensor).
+
+    Raises:
+        FileNotFoundError: no such file.
+        ImportError: a ``.safetensors`` file and no safetensors package.
+        ValueError: unreadable file; no such ``key``; no or several candidate tables; a tensor that is not 2-D
+            float; a missing stack or a direction contradicting it; invalid bucket settings.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no file at {os.fspath(path)!r}")
+    if key is None:
+        keys, tables = _read_tensors(path, lambda name: bool(_TABLE_KEY.match(name)))
+        if tables:
+            return _hugging_face_table(path, keys, tables, stack, bidirectional, max_distance)
+        keys, tensors = _read_tensors(path, lambda name: True)
+        candidates = [k for k, v in tensors.items() if v.dim() == 2 and v.is_floating_point()]
+        if len(candidates) != 1:
+            raise ValueError(
+                f"{os.fspath(path)}: found {len(candidates)} 2-D float tensors ({_some(candidates)}) and no Hugging "
+                f"Face T5 table; name the (num_buckets, num_heads) table with key= (relbias inspect: --key)"
+            )
+        key = candidates[0]
+    else:
+        keys, tensors = _read_tensors(path, lambda name: name == key)
+        if key not in tensors:
+            raise ValueError(f"{os.fspath(path)} has no tensor {key!r}; it holds {_some(keys)}")
+    if bidirectional is None:
+        bidirectional = "decoder" not in key
+    bias = _make_bias(tensors[key], bidirectional=bidirectional, max_distance=max_distance, share=False, where=repr(key))
+    bias.weight = nn.Parameter(bias.weight.detach().float())
+    return bias, key
+
+
+def _hugging_face_table(
+    path: str | os.PathLike,
+    keys: list[str],
+    tables: dict[str, torch.Tensor],
+    stack: str | None,
+    bidirectional: bool | None,
+    max_distance: int,
+) -> tuple[T5Bias, str]:
+    """The layer-0 table of ``stack`` among a Hugging Face file's tables, for :func:`t5_bias_from_file`."""
+    biases = t5_biases_from_state_dict(_with_placeholders(keys, tables), max_distance=max_distance)
+    stack = stack or ("encoder" if biases.encoder else "decoder")
+    found = biases.stack(stack)
+    if not found:
+        raise ValueError(f"{os.fspath(path)} has no {stack} table")
+    if bidirectional is not None and bidirectional != (stack == "encoder"):
+        raise ValueError(
+            f"the {stack} table of a T5 model is {'bidirectional' if stack == 'encoder' else 'causal'}; "
+            f"leave bidirectional unset and pick the table with stack= (relbias inspect: drop --causal/--bidirectional, "
+            f"use --stack)"
+        )
+    bias = found[0]
+    bias.weight = nn.Parameter(bias.weight.detach().float())
+    where = next(k for k in tables if (m := _TABLE_KEY.match(k)) and m["stack"] == stack and m["layer"] == "0")
+    return bias, where
