@@ -35,6 +35,7 @@ import torch
 
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
+from . import _flex_blocks
 from .base import Backend
 from .blockwise import tensor_bias_reasons
 
@@ -49,9 +50,13 @@ MIN_BUCKET = 16
 #: Compiled variants dynamo may keep for FlexAttention (length buckets x shapes x mask kinds).
 RECOMPILE_LIMIT = 64
 
-#: Probe problems (batch, num_heads, length) of :func:`kernel_check`; the first is where torch 2.13's
-#: CPU kernel was seen to fail (AVX2, head_dim 8), the second has lengths that are not a tile multiple.
-PROBES = ((2, 4, 40), (1, 3, 133))
+#: Probe problems (batch, num_heads, length, trials) of :func:`kernel_check`: the first is where torch
+#: 2.13's CPU kernel was seen to fail (AVX2, head_dim 8 and 16: wrong values or NaN in the last (batch,
+#: head) slice, not on every run), the second is a length bucket as calls run it.
+PROBES = ((2, 4, 40, 4), (1, 3, 64, 1))
+#: On CPUs without AVX-512, head dims below this are refused without probing (torch 2.13 gets 8 and 16
+#: wrong there, intermittently, so a probe could pass by chance).
+MIN_AVX2_HEAD_DIM = 32
 
 #: (device type, device index, dtype, head_dim, value head_dim) -> None (the compiled kernel agrees with
 #: SDPA) or the reason it does not.
@@ -111,9 +116,10 @@ def _run(*args, **kwargs):
 def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_dim: int) -> str | None:
     """Check compiled FlexAttention against SDPA once per (device, dtype, head_dim, value_dim).
 
-    Runs bias-free attention on the :data:`PROBES` shapes (random inputs, fixed seed), forward only, and
+    On a CPU without AVX-512, head dims below :data:`MIN_AVX2_HEAD_DIM` are refused outright. Otherwise
+    runs bias-free attention on the :data:`PROBES` shapes (random inputs, fixed seed), forward only, and
     compares with SDPA computed in float64 (tolerance 1e-4 for float32, 3e-2 for half types, relative to
-    the largest value). Costs one compilation the first time; the answer is cached for the process.
+    the largest value). Costs two compilations the first time; the answer is cached for the process.
 
     Returns:
         None when every probe agrees; otherwise the reason, naming torch's version, the CPU capability,
@@ -122,24 +128,34 @@ def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_
     key = (device.type, device.index, dtype, head_dim, value_dim)
     if key in _CHECKED:
         return _CHECKED[key]
+    capability = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type
+    if device.type == "cpu" and not capability.startswith("AVX512") and min(head_dim, value_dim) < MIN_AVX2_HEAD_DIM:
+        _CHECKED[key] = (
+            f"compiled FlexAttention in torch {torch.__version__} returns wrong values or NaN on CPUs without "
+            f"AVX-512 (here {capability}) for small head dims (seen: 8 and 16); head_dim {head_dim} and value "
+            f"head_dim {value_dim} must be >= {MIN_AVX2_HEAD_DIM} here"
+        )
+        return _CHECKED[key]
     generator = torch.Generator().manual_seed(0)
     tolerance = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
     reason = None
     with torch.no_grad():
-        for batch, heads, length in PROBES:
-            q, k = (torch.randn(batch, heads, length, head_dim, generator=generator) for _ in range(2))
-            v = torch.randn(batch, heads, length, value_dim, generator=generator)
-            want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
-            q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
-            got = _run(q, k, v, scale=1.0 / math.sqrt(head_dim)).double().cpu()
-            error = (got - want).abs().max().item() if got.numel() else 0.0
-            if not math.isfinite(error) or error > tolerance * max(1.0, want.abs().max().item()):
-                capability = torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else device.type
-                reason = (
-                    f"compiled FlexAttention in torch {torch.__version__} returns wrong values here ({capability}, "
-                    f"{dtype}, head_dim {head_dim}): max error {error:.3g} against SDPA on a ({batch}, {heads}, "
-                    f"{length}, {head_dim}) probe"
-                )
+        for batch, heads, length, trials in PROBES:
+            for _ in range(trials):
+                q, k = (torch.randn(batch, heads, length, head_dim, generator=generator) for _ in range(2))
+                v = torch.randn(batch, heads, length, value_dim, generator=generator)
+                want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
+                q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+                got = _run(q, k, v, scale=1.0 / math.sqrt(head_dim)).double().cpu()
+                error = (got - want).abs().max().item() if got.numel() else 0.0
+                if not math.isfinite(error) or error > tolerance * max(1.0, want.abs().max().item()):
+                    reason = (
+                        f"compiled FlexAttention in torch {torch.__version__} returns wrong values here ({capability}, "
+                        f"{dtype}, head_dim {head_dim}): max error {error:.3g} against SDPA on a ({batch}, {heads}, "
+                        f"{length}, {head_dim}) probe"
+                    )
+                    break
+            if reason:
                 break
     _CHECKED[key] = reason
     return reason
@@ -178,8 +194,6 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     Raises:
         RuntimeError: dynamo hit its recompile limit (see the module docstring).
     """
-    from torch.nn.attention.flex_attention import create_block_mask
-
     query, key, value, bias, mask, alignment = call.query, call.key, call.value, call.bias, call.mask, call.alignment
     device = query.device
     lq, lk = alignment.query_len, alignment.key_len
@@ -218,9 +232,18 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
             keep = keep & _index(visible, b, h, q_idx, kv_idx)
         return keep
 
-    batch = visible.shape[0] if visible is not None and visible.shape[0] > 1 else None
-    heads = visible.shape[1] if visible is not None and visible.shape[1] > 1 else None
-    block_mask = create_block_mask(mask_mod, batch, heads, pq, pk, device=device)
+    def visible_rows(t0, t1):  # mask_mod for query rows t0:t1, as a (Bm, Hm, t1 - t0, pk) bool tensor
+        keys = torch.arange(pk, device=device)
+        keep = (keys < lk).expand(t1 - t0, pk)
+        if call.is_causal:
+            keep = keep & (torch.arange(t0, t1, device=device)[:, None] - keys + call.delta >= 0)
+        keep = keep[None, None]
+        if visible is not None:
+            keep = keep & (visible[:, :, t0:t1] if visible.shape[2] > 1 else visible)
+        return keep
+
+    batch, heads = (1, 1) if visible is None else visible.shape[:2]
+    block_mask = _flex_blocks.block_mask(mask_mod, visible_rows, batch, heads, pq, pk, device)
     has_mod = values is not None or finite is not None
     q, k, v = _pad_to(query, 2, pq), _pad_to(key, 2, pk), _pad_to(value, 2, pk)
     kwargs = dict(score_mod=score_mod if has_mod else None, block_mask=block_mask, scale=call.scale)
