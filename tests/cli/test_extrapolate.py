@@ -64,6 +64,9 @@ def test_resume_keeps_finished_schemes(corpus, tmp_path, capsys):
          "'offset' cannot be evaluated at length 16 (trained at 8): offset 15 has no parameter"),
         (["--eval-lengths", "4000"], "held-out split has"),
         (["--schemes", "rope"], "unknown scheme(s) ['rope']"),
+        (["--schemes", "t5,xyz"], "unknown scheme(s) ['xyz']"),
+        (["--schemes", "t5,xyz", "--set", "xyz.a=1"], "unknown scheme(s) ['xyz']"),
+        (["--schemes", "t5,alibi,t5"], "schemes must not repeat"),
         (["--set", "t5.num_buckets=1", "--schemes", "t5"], "'num_buckets': 1}: causal T5 buckets need num_buckets >= 2"),
         (["--set", "alibi.colour=1", "--schemes", "alibi"], "scheme 'alibi' with options {'colour': 1}"),
         (["--set", "t5.max_dist=3", "--schemes", "t5"], "bias family 't5' does not take option 'max_dist'"),
@@ -78,9 +81,30 @@ def test_errors_are_one_clear_line(extra, message, corpus, tmp_path, capsys):
              for e in extra]
     message = message.replace("MISSING", str(tmp_path / "missing.txt"))
     assert main(args) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("relbias extrapolate: error: ") and message in err
+    printed = capsys.readouterr()
+    assert printed.err.startswith("relbias extrapolate: error: ") and message in printed.err
+    assert printed.out == ""  # every setting is checked before the header is printed
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_a_resume_with_another_config_prints_only_its_error(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none", *TINY]) == 0
+    capsys.readouterr()
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none", "--resume",
+                 "--lr", "0.01", *TINY]) == 2
+    printed = capsys.readouterr()
+    assert printed.out == "" and printed.err.startswith("relbias extrapolate: error: ")
+
+
+def test_a_fully_resumed_run_still_prints_its_header_first(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none", *TINY]) == 0
+    capsys.readouterr()
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none", "--resume",
+                 *TINY]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("relbias extrapolate: corpus ") and "from results.json" in lines[1]
 
 
 @pytest.mark.skipif(not SHAKESPEARE.exists(), reason="../shared/data/tinyshakespeare.txt is not present")

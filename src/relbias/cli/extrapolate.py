@@ -121,6 +121,12 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be >= 1, got {value}")
     threads = args.threads
     schemes = args.schemes if args.schemes else list(FAMILIES)
+    unknown = [s for s in schemes if s not in FAMILIES]  # every scheme, before anything is printed or read
+    if unknown:
+        raise ValueError(f"unknown scheme(s) {unknown}; registered families: {sorted(FAMILIES)}")
+    repeated = sorted({s for s in schemes if schemes.count(s) > 1})
+    if repeated:
+        raise ValueError(f"schemes must not repeat, got {schemes} ({', '.join(repeated)} more than once)")
     eval_lengths = args.eval_lengths or [args.train_len * m for m in (1, 2, 4, 8)]
     scheme_options: dict[str, dict] = {"offset": {"out_of_range": args.offset_out_of_range}}
     for family, key, value in args.options:
@@ -144,14 +150,28 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(str(exc)) from exc
     corpus = load_corpus(args.corpus)
     hook, write = _progress_hook(args.no_progress)
-    print(
+    header = (
         f"relbias extrapolate: corpus {corpus.name} ({len(corpus)} bytes), schemes {', '.join(schemes)}; "
         f"L = {args.train_len}, evaluated at {', '.join(map(str, eval_lengths))}; {steps} steps x {batch_size} "
-        f"windows; {threads} torch thread(s); output {args.out}",
-        flush=True,
+        f"windows; {threads} torch thread(s); output {args.out}"
     )
+    announced = False
+
+    def announce() -> None:
+        """Print the header once, when run_extrapolation has checked everything and starts its first model
+        (its first progress bar, or its first result taken from a resumed file): a refused setting prints
+        nothing but its error."""
+        nonlocal announced
+        if not announced:
+            announced = True
+            print(header, flush=True)
+
+    def progress(iterable, **kwargs):
+        announce()
+        return hook(iterable, **kwargs)
 
     def report(scheme: str, entry: dict, results: dict) -> None:
+        announce()
         cells = ", ".join(f"{n}: {entry['eval'][str(n)]['bpb']:.3f}" for n in eval_lengths)
         how = "from results.json" if entry.get("resumed") else (
             f"train {entry['train_seconds']:.0f} s, eval {entry['eval_seconds']:.0f} s")
@@ -163,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         results = run_extrapolation(
-            config, schemes, corpus, args.out, resume=args.resume, progress=hook, on_result=report
+            config, schemes, corpus, args.out, resume=args.resume, progress=progress, on_result=report
         )
     except ImportError as exc:
         raise RuntimeError(str(exc)) from exc
