@@ -26,10 +26,12 @@ import torch
 import torch.nn.functional as F
 
 import relbias
+import relbias.backends
 import relbias.backends.flex
 from relbias.biases import make_bias
 
-BACKENDS = ("blockwise", "structured", "flex", "auto")
+#: Every registered backend but the oracle (from the registry), then "auto".
+BACKENDS = (*[name for name in relbias.backends.BACKENDS if name != "reference"], "auto")
 
 
 def _run(backend, q, k, v, bias, grad_out, **kw):

@@ -84,6 +84,7 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
         device = bias._device()
         if device != query.device:
             raise ValueError(f"the bias module is on {device} but query is on {query.device}; move one of them")
+        check_finite_parameters(bias)
         return
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a RelativeBias module, a tensor or None, got {type(bias).__name__}")
@@ -94,6 +95,28 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
     check_broadcast("bias", bias, target, "(batch, num_heads, query_len, key_len)")
     if not bool(torch.isfinite(bias).all()):
         raise ValueError("the bias tensor contains NaN or inf; pass -inf masking through mask=, not bias=")
+
+
+def check_finite_parameters(bias: RelativeBias) -> None:
+    """Refuse a bias module whose parameters hold NaN/inf (every output reading them would be NaN).
+
+    Costs O(parameters) per call (one reduction per parameter tensor); parameters on the meta device,
+    which hold no values, are skipped.
+
+    Raises:
+        ValueError: naming the family, the parameter and the first non-finite entry.
+    """
+    for name, param in bias.named_parameters():
+        if param.device.type == "meta" or param.numel() == 0:
+            continue
+        finite = torch.isfinite(param.detach())
+        if not bool(finite.all()):
+            entry = tuple(int(i) for i in (~finite).nonzero()[0])
+            value = float(param.detach()[entry])
+            raise ValueError(
+                f"{type(bias).__name__} parameter {name!r} holds {value} at entry {list(entry)}; every output that "
+                f"reads it would be NaN (reinitialise or reload the parameter)"
+            )
 
 
 def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int, ...]) -> None:

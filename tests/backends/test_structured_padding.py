@@ -75,7 +75,7 @@ def test_nan_and_inf_in_padded_keys_are_refused_by_structured_and_confined_by_wh
 
 
 def test_auto_takes_structured_for_the_hugging_face_padding_mask():
-    q = torch.empty(2, 8, 4096, 64)
+    q = torch.zeros(2, 8, 4096, 64)  # finite values: dispatch checks keys and values for NaN/inf
     mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
     mask[0, ..., 3900:] = False
     assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=mask)[0] == "structured"
