@@ -87,7 +87,7 @@ class _Block(nn.Module):
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.embed_dim)
         self.attn = MultiheadAttention(
-            config.embed_dim, config.num_heads, position_bias=position_bias, is_causal=True,
+            config.embed_dim, config.num_heads, batch_first=True, position_bias=position_bias, is_causal=True,
             backend=config.backend, convention=config.convention,
         )
         self.ln_mlp = nn.LayerNorm(config.embed_dim)
@@ -95,7 +95,8 @@ class _Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(config.embed_dim, hidden), nn.GELU(), nn.Linear(hidden, config.embed_dim))
 
     def forward(self, x: torch.Tensor, cache, cache_position: int | None) -> torch.Tensor:
-        x = x + self.attn(self.ln_attn(x), cache=cache, cache_position=cache_position)
+        h = self.ln_attn(x)
+        x = x + self.attn(h, h, h, need_weights=False, cache=cache, cache_position=cache_position)[0]
         return x + self.mlp(self.ln_mlp(x))
 
 

@@ -8,7 +8,7 @@ from torch import nn
 from ..backends import BACKENDS
 from ..biases.base import CONVENTIONS, RelativeBias
 from ..functional import attention
-from .cache import KVCache, StaticKVCache
+from .cache import KVCache, StaticKVCache, _check_query_position
 
 __all__ = ["MultiheadAttention"]
 
@@ -20,46 +20,68 @@ def _positive_int(name: str, value: object) -> int:
 
 
 class MultiheadAttention(nn.Module):
-    """Multi-head attention with a relative position bias and incremental decoding.
+    """Multi-head attention with a relative position bias and a KV cache; torch's call signature.
 
-    ``out = out_proj(attention(q_proj(x), k_proj(kv), v_proj(kv), bias=position_bias, ...))`` where
-    ``kv`` is ``x`` (self-attention) or ``memory`` (cross-attention), split into ``num_heads`` heads of
-    ``head_dim = embed_dim // num_heads``. Scores follow the score convention of
-    :func:`relbias.attention` (default: the bias module's own, e.g. unscaled "t5" for T5Bias).
+    ``forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+    average_attn_weights=True, is_causal=False)`` takes the arguments of
+    :class:`torch.nn.MultiheadAttention` with the same meaning (layout set by ``batch_first``, default
+    False = (L, B, E) as in torch; unbatched (L, E) inputs; key padding mask True = padding; bool
+    ``attn_mask`` True = NOT allowed) and returns ``(output, weights or None)``. Without a position
+    bias it computes what torch's module computes with the same weights (copy
+    ``q_proj``/``k_proj``/``v_proj`` into torch's ``in_proj_weight``). The relbias extras are keyword
+    arguments: ``position_bias``, ``cross_attention``, ``backend``, ``convention``, ``scale`` here and
+    ``cache``, ``cache_position`` in :meth:`forward`.
 
-    Positions are absolute tokens. Self-attention queries and keys start at ``cache_position``
-    (default 0, or the cache's length when a cache is given); the bias sees offsets ``i - j`` of these
-    positions, so decoding token by token with a cache gives the same output as the full forward.
+    ``out = out_proj(attention(q_proj(query), k_proj(key), v_proj(value), bias=position_bias, ...))``,
+    split into ``num_heads`` heads of ``head_dim = embed_dim // num_heads``. Scores follow the score
+    convention of :func:`relbias.attention` (default: the bias module's own, e.g. unscaled "t5" for
+    T5Bias; torch's ``1/sqrt(head_dim)`` scaling is "additive" or "seed" with no bias).
+
+    Positions are absolute tokens. Queries start at ``cache_position`` (default 0, or the cache's
+    ``query_position`` -- the number of target tokens already decoded with it). Self-attention keys are
+    the same tokens as the queries; cross-attention keys are memory positions ``0 .. Lm - 1``, whatever
+    the query's position. The bias sees offsets ``i - j`` of these positions, so decoding token by token
+    with a cache gives the same output as the full forward, for self- and cross-attention.
 
     Args:
         embed_dim: E, the model width.
         num_heads: H; must divide ``embed_dim``.
+        kdim: feature size of ``key``; default ``embed_dim``.
+        vdim: feature size of ``value``; default ``embed_dim``.
+        batch_first: True: inputs and outputs are (B, L, E); False (default, as torch): (L, B, E).
+            Ignored for unbatched (L, E) inputs.
+        device, dtype: of the parameters (as torch's factory kwargs); default torch's defaults.
         position_bias: a :class:`relbias.RelativeBias` (H or 1 heads) or None (no position bias, NoPE).
             The same module may be passed to several layers: it is computed per layer from shared
             parameters (T5 shares one bias table across all layers of a stack).
-        is_causal: hide future keys (self-attention only).
-        cross_attention: attend from ``query`` to a ``memory`` sequence instead of to itself. A
-            cross-attention layer carries a position bias only when ``position_bias`` is given
-            explicitly; memory positions start at 0.
-        kdim: feature size of ``memory`` for cross-attention; default ``embed_dim``.
-        proj_bias: add a learnable bias in the four linear projections (default True; T5 uses False).
+        is_causal: always hide future keys (self-attention only); ``forward(is_causal=True)`` does it
+            per call.
+        cross_attention: ``key``/``value`` are a memory sequence at positions ``0 .. Lm - 1`` (a cache
+            stores it once) instead of the query's own tokens. A cross-attention layer carries a
+            position bias only when ``position_bias`` is given explicitly.
+        proj_bias: add a learnable bias in the four linear projections (default True, torch's
+            ``bias``; T5 uses False).
         backend: "auto" (default; :func:`relbias.dispatch.choose_backend` picks per call) or a key of
-            ``relbias.backends.BACKENDS`` ("reference", "blockwise", ...).
+            ``relbias.backends.BACKENDS`` ("reference", "blockwise", ...). ``need_weights=True`` always
+            runs "reference".
         convention: score convention ("seed", "additive", "t5"); default the bias module's own.
         scale: score scale; default that of the convention (``1/sqrt(head_dim)``, or 1 for "t5").
+
+    Not supported (a TypeError for the unexpected keyword, never a silent difference): torch's
+    ``dropout``, ``bias`` (here ``proj_bias``), ``add_bias_kv``, ``add_zero_attn``.
 
     Raises:
         ValueError: sizes < 1, ``embed_dim`` not divisible by ``num_heads``, an unknown backend or
             convention, ``is_causal`` with cross-attention, a bias with heads neither 1 nor H.
-        TypeError: a ``position_bias`` that is not a RelativeBias.
+        TypeError: a ``position_bias`` that is not a RelativeBias; a non-bool ``batch_first``.
 
     Example:
         >>> bias = relbias.T5Bias(num_heads=4, bidirectional=False)
-        >>> layer = MultiheadAttention(64, 4, position_bias=bias, is_causal=True)
+        >>> layer = MultiheadAttention(64, 4, batch_first=True, position_bias=bias, is_causal=True)
         >>> x = torch.randn(2, 10, 64)                   # (batch, seq_len, embed_dim)
-        >>> full = layer(x)
+        >>> full, weights = layer(x, x, x)               # weights (2, 10, 10), averaged over heads
         >>> cache = KVCache()
-        >>> steps = [layer(x[:, t : t + 1], cache=cache) for t in range(10)]
+        >>> steps = [layer(x[:, t : t + 1], need_weights=False, cache=cache)[0] for t in range(10)]
         >>> torch.allclose(torch.cat(steps, 1), full, atol=1e-5)
         True
     """
@@ -69,10 +91,14 @@ class MultiheadAttention(nn.Module):
         embed_dim: int,
         num_heads: int,
         *,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         position_bias: RelativeBias | None = None,
         is_causal: bool = False,
         cross_attention: bool = False,
-        kdim: int | None = None,
         proj_bias: bool = True,
         backend: str = "auto",
         convention: str | None = None,
@@ -84,6 +110,9 @@ class MultiheadAttention(nn.Module):
         if embed_dim % num_heads:
             raise ValueError(f"embed_dim {embed_dim} must be divisible by num_heads {num_heads}")
         kdim = embed_dim if kdim is None else _positive_int("kdim", kdim)
+        vdim = embed_dim if vdim is None else _positive_int("vdim", vdim)
+        if not isinstance(batch_first, bool):
+            raise TypeError(f"batch_first must be a bool, got {batch_first!r}")
         if position_bias is not None and not isinstance(position_bias, RelativeBias):
             raise TypeError(f"position_bias must be a relbias RelativeBias or None, got {type(position_bias).__name__}")
         if position_bias is not None and position_bias.num_heads not in (1, num_heads):
@@ -97,100 +126,182 @@ class MultiheadAttention(nn.Module):
         if cross_attention and is_causal:
             raise ValueError("is_causal applies to self-attention; a cross-attention layer sees the whole memory")
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.kdim, self.vdim, self.batch_first = kdim, vdim, batch_first
         self.position_bias = position_bias
         self.is_causal, self.cross_attention = is_causal, cross_attention
         self.backend, self.convention, self.scale = backend, convention, scale
-        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=proj_bias)
-        self.k_proj = nn.Linear(kdim, embed_dim, bias=proj_bias)
-        self.v_proj = nn.Linear(kdim, embed_dim, bias=proj_bias)
-        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=proj_bias)
+        factory = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(embed_dim, embed_dim, bias=proj_bias, **factory)
+        self.k_proj = nn.Linear(kdim, embed_dim, bias=proj_bias, **factory)
+        self.v_proj = nn.Linear(vdim, embed_dim, bias=proj_bias, **factory)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=proj_bias, **factory)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, L, E) -> (B, H, L, D)
 
+    def _layout(self, features: str) -> str:
+        batched = "(batch, seq_len, " if self.batch_first else "(seq_len, batch, "
+        return f"{batched}{features}) with batch_first={self.batch_first}, or (seq_len, {features}) unbatched"
+
+    def _to_batch_first(self, name: str, x: object, features: int, feature_name: str, batched: bool | None):
+        """Check ``x``'s rank and width; return it as (B, L, F) and whether the call is batched."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor {self._layout(f'{feature_name}={features}')}, got {type(x).__name__}")
+        if x.dim() not in (2, 3) or x.shape[-1] != features or (batched is not None and (x.dim() == 3) != batched):
+            expected = self._layout(f"{feature_name}={features}")
+            if batched is not None and x.dim() in (2, 3) and (x.dim() == 3) != batched:
+                expected += f" (same rank as query, {3 if batched else 2}-D)"
+            raise ValueError(f"{name} must be {expected}, got {tuple(x.shape)}")
+        self._check_like_parameters(name, x)
+        if x.dim() == 2:
+            return x.unsqueeze(0), False
+        return (x if self.batch_first else x.transpose(0, 1)), True
+
     def forward(
         self,
         query: torch.Tensor,
-        memory: torch.Tensor | None = None,
-        *,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: torch.Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+        *,
         cache: KVCache | StaticKVCache | None = None,
         cache_position: int | None = None,
-    ) -> torch.Tensor:
-        """Attend from ``query`` to itself (self-attention) or to ``memory`` (cross-attention).
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attend from ``query`` to ``key``/``value``; torch.nn.MultiheadAttention's signature and return.
+
+        Shape legend: B batch, Lq query length, S key length (self-attention: cached plus new keys;
+        cross-attention: the memory's Lm), E embed_dim, H num_heads. Batched inputs are (B, L, F) with
+        ``batch_first=True`` and (L, B, F) otherwise; unbatched inputs are (L, F) (then masks drop B).
 
         Args:
-            query: (B, Lq, E) float.
-            memory: cross-attention only: (B, Lm, kdim), same dtype. With a cache that already holds
-                the memory's keys and values it may be None (they are reused).
-            key_padding_mask: bool (B, Lk), **True marks a padding key to ignore** (as in
-                ``torch.nn.MultiheadAttention``). Lk counts every key attended to: cached plus new for
-                self-attention with a cache, Lm for cross-attention.
-            cache: self-attention: a :class:`KVCache` or :class:`StaticKVCache`; the new keys and values
-                are written at ``cache_position`` and the queries attend to positions
-                ``0 .. cache_position + Lq - 1``. Cross-attention: a KVCache filled from ``memory`` on
-                first use and reused afterwards.
-            cache_position: absolute position (tokens) of the first query; default the cache's length
-                (append), or 0 without a cache. Must lie in ``[0, cache.length]``.
+            query: (B, Lq, E) / (Lq, B, E) / (Lq, E), float, the parameters' dtype and device (or
+                under ``torch.autocast``).
+            key: kdim features. Self-attention: the query's tokens (same length; default ``query``).
+                Cross-attention: the memory (Lm tokens); may be None when ``cache`` already holds the
+                memory (then reused, and any key/value given is ignored).
+            value: vdim features, same length as ``key``; default ``key``.
+            key_padding_mask: (B, S) (or (S,) unbatched); bool, **True marks a padding key to ignore**,
+                or float, added to the scores (as torch).
+            need_weights: also return the attention weights (default True, as torch). They are
+                materialised by the reference backend, O(B·H·Lq·S) memory, and the output then comes
+                from that same pass; pass False for the configured (memory-lean) backend.
+            attn_mask: (Lq, S) or (B·H, Lq, S); bool, **True = NOT allowed** (as torch), or float,
+                added to the scores (-inf to mask). With a self-attention cache, S includes the cached keys.
+            average_attn_weights: weights averaged over heads (B, Lq, S) when True (default), per head
+                (B, H, Lq, S) otherwise. Only with ``need_weights``.
+            is_causal: hide keys at positions after the query's (absolute positions, as below). Unlike
+                torch it needs no ``attn_mask`` (torch treats it as a hint that ``attn_mask`` is causal;
+                passing both here applies both, which is the same thing). The layer's own ``is_causal``
+                applies in any case.
+            cache: relbias extra, keyword only. Self-attention: a :class:`KVCache` or
+                :class:`StaticKVCache`; the new keys and values are written at ``cache_position`` and the
+                queries attend to positions ``0 .. cache_position + Lq - 1``. Cross-attention: a cache
+                (of either class) filled from the memory on first use and reused afterwards; it
+                counts the decoded target tokens in ``cache.query_position``. A cache serves one layer.
+            cache_position: relbias extra, keyword only: absolute position (tokens) of the first query
+                in the target sequence; default ``cache.query_position`` (append), or 0 without a cache.
+                With a cache it must lie in ``[0, cache.query_position]`` (smaller rewinds); without a
+                cache it must be 0 for self-attention and may be any int >= 0 for cross-attention.
 
         Returns:
-            (B, Lq, E) in the dtype of ``query``.
+            ``(output, weights)``: output in the query's layout and dtype, (B, Lq, E) / (Lq, B, E) /
+            (Lq, E); weights None when ``need_weights`` is False, else (B, Lq, S) or (B, H, Lq, S) ((Lq, S)
+            or (H, Lq, S) unbatched), in the query's dtype, each row summing to 1 -- or all zeros for a
+            query with no visible key (torch gives NaN there; so does its output, where relbias gives
+            ``out_proj`` of zero).
 
         Raises:
-            TypeError: a non-tensor input; a query or memory that is not floating point, or (outside
-                ``torch.autocast``) whose dtype differs from the layer's parameters; a key padding mask
-                that is not bool.
-            ValueError: wrong ranks or feature sizes; a query or memory on another device than the
-                layer's parameters; memory given to a self-attention layer or missing
-                for cross-attention; a key padding mask whose shape is not (B, Lk); a bad cache position;
-                and every error of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot
-                evaluate with clipping off).
+            TypeError: a non-tensor input; a query, key or value that is not floating point, or (outside
+                ``torch.autocast``) whose dtype differs from the layer's parameters; a mask that is
+                neither bool nor float.
+            ValueError: wrong ranks (key/value of another rank than query) or feature sizes; inputs on
+                another device than the layer's parameters; a self-attention key of another length than
+                the query; key and value of different lengths; missing memory for cross-attention; a
+                mask of the wrong shape; a bad cache position; a cache of the other kind; and every error
+                of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot evaluate with
+                clipping off).
         """
-        if not isinstance(query, torch.Tensor):
-            raise TypeError(f"query must be a tensor (batch, seq_len, embed_dim={self.embed_dim}), got {type(query).__name__}")
-        if query.dim() != 3 or query.shape[-1] != self.embed_dim:
-            raise ValueError(f"query must be (batch, seq_len, embed_dim={self.embed_dim}), got {tuple(query.shape)}")
-        self._check_like_parameters("query", query)
-        start = 0 if cache_position is None and cache is None else cache_position
-        if start is None:
-            start = cache.length
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
+        batch, q_len = q_in.shape[0], q_in.shape[1]
+        if cache_position is not None and (
+            isinstance(cache_position, bool) or not isinstance(cache_position, int) or cache_position < 0
+        ):
             raise ValueError(f"cache_position must be an int >= 0 (tokens), got {cache_position!r}")
-        q = self._heads(self.q_proj(query))
-        if self.cross_attention:
-            key, value = self._memory_kv(memory, cache)
+        if cache is not None:
+            start = cache.query_position if cache_position is None else cache_position
+            if self.cross_attention:  # self-attention: cache.update checks it against the cached keys
+                _check_query_position(start, cache.query_position)
         else:
-            if memory is not None:
-                raise ValueError("memory is for cross-attention; this layer was built with cross_attention=False")
-            key, value = self._heads(self.k_proj(query)), self._heads(self.v_proj(query))
+            start = 0 if cache_position is None else cache_position
+        q = self._heads(self.q_proj(q_in))
+        if self.cross_attention:
+            k, v = self._memory_kv(key, value, cache, batched)
+        else:
+            if key is None and value is not None:
+                raise ValueError("value given without key; pass key too (self-attention: usually key = value = query)")
+            k_src = query if key is None else key
+            k_in, _ = self._to_batch_first("key", k_src, self.kdim, "kdim", batched)
+            v_in, _ = self._to_batch_first("value", k_src if value is None else value, self.vdim, "vdim", batched)
+            if k_in.shape[1] != q_len or v_in.shape[1] != q_len:
+                raise ValueError(
+                    f"self-attention keys and values are the query's own tokens: their length must be the "
+                    f"query's {q_len}, got key {k_in.shape[1]} and value {v_in.shape[1]} (cross_attention=True "
+                    f"attends to another sequence)"
+                )
+            k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))
             if cache is not None:
-                key, value = cache.update(key, value, start)
+                k, v = cache.update(k, v, start)
             elif start != 0:
                 raise ValueError("cache_position without a cache: pass cache= to decode incrementally")
-        mask = self._padding_mask(key_padding_mask, q.shape[0], key.shape[2], q.device)
-        out = attention(
-            q, key, value,
-            bias=self.position_bias, mask=mask, is_causal=self.is_causal, scale=self.scale,
-            convention=self.convention, query_start=start, key_start=0, backend=self.backend,
-        )  # (B, H, Lq, D)
-        b, _, n, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(b, n, self.embed_dim))  # (B, H, Lq, D) -> (B, Lq, E)
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        mask = self._merge_masks(key_padding_mask, attn_mask, batch, q_len, k.shape[2], batched, q)
+        call = dict(
+            bias=self.position_bias, mask=mask, is_causal=self.is_causal or is_causal, scale=self.scale,
+            convention=self.convention, query_start=start, key_start=0,
+        )
+        weights = None
+        if need_weights:
+            s_len = k.shape[2]
+            eye = torch.eye(s_len, dtype=v.dtype, device=v.device).expand(*v.shape[:2], s_len, s_len)
+            both = attention(q, k, torch.cat([v, eye], dim=-1), backend="reference", **call)  # (B, H, Lq, D + S)
+            out, weights = both[..., : self.head_dim], both[..., self.head_dim :]
+            if average_attn_weights:
+                weights = weights.mean(dim=1)
+            if not batched:
+                weights = weights.squeeze(0)
+        else:
+            out = attention(q, k, v, backend=self.backend, **call)  # (B, H, Lq, D)
+        if self.cross_attention and cache is not None:
+            cache.advance(start, q_len)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.embed_dim))  # (B, Lq, E)
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, weights
 
-    def _memory_kv(self, memory: torch.Tensor | None, cache: KVCache | StaticKVCache | None):
-        if cache is not None and cache.length > 0:
-            return (cache.key[:, :, : cache.length], cache.value[:, :, : cache.length])
-        if memory is None:
-            raise ValueError("cross-attention needs memory (B, Lm, kdim), or a cache already filled from it")
-        if not isinstance(memory, torch.Tensor):
-            raise TypeError(f"memory must be a tensor (batch, memory_len, kdim), got {type(memory).__name__}")
-        if memory.dim() != 3 or memory.shape[-1] != self.k_proj.in_features:
-            raise ValueError(f"memory must be (batch, memory_len, kdim={self.k_proj.in_features}), got {tuple(memory.shape)}")
-        self._check_like_parameters("memory", memory)
-        key, value = self._heads(self.k_proj(memory)), self._heads(self.v_proj(memory))
+    def _memory_kv(self, key, value, cache: KVCache | StaticKVCache | None, batched: bool):
+        """Cross-attention keys and values (B, H, Lm, D): from a cache holding the memory, or projected."""
+        if cache is not None and cache.holds_memory:
+            return cache.key[:, :, : cache.length], cache.value[:, :, : cache.length]
+        if key is None:
+            raise ValueError(
+                "cross-attention needs the memory as key (and value), or a cache already filled from it"
+            )
+        k_in, _ = self._to_batch_first("key", key, self.kdim, "kdim", batched)
+        v_in, _ = self._to_batch_first("value", key if value is None else value, self.vdim, "vdim", batched)
+        if k_in.shape[:2] != v_in.shape[:2]:
+            raise ValueError(f"key and value must agree in batch and length, got {tuple(key.shape)} and {tuple(value.shape)}")
+        k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))
         if cache is not None:
-            cache.update(key, value, 0)
-        return key, value
+            cache.set_memory(k, v)
+        return k, v
 
     def _check_like_parameters(self, name: str, x: torch.Tensor) -> None:
         """``x`` must be floating point, on the parameters' device and (outside autocast) of their dtype."""
@@ -205,25 +316,60 @@ class MultiheadAttention(nn.Module):
                 f"(e.g. layer.to({x.dtype})) or run under torch.autocast"
             )
 
-    @staticmethod
-    def _padding_mask(kpm: torch.Tensor | None, batch: int, key_len: int, device: torch.device) -> torch.Tensor | None:
-        """(B, Lk) True = padding -> (B, 1, 1, Lk) True = may attend, as relbias.attention takes masks."""
-        if kpm is None:
+    def _merge_masks(self, kpm, attn_mask, batch: int, q_len: int, s_len: int, batched: bool, q: torch.Tensor):
+        """torch's key_padding_mask and attn_mask -> one relbias mask broadcastable to (B, H, Lq, S).
+
+        Both bool: True = may attend (the negation of torch's). Either float: additive, bool parts
+        become 0 / -inf.
+        """
+        parts = []
+        if kpm is not None:
+            if not isinstance(kpm, torch.Tensor) or not (kpm.dtype == torch.bool or kpm.is_floating_point()):
+                kind = kpm.dtype if isinstance(kpm, torch.Tensor) else type(kpm).__name__
+                raise TypeError(f"key_padding_mask must be a bool (True = padding) or float (additive) tensor, got {kind}")
+            expected = (batch, s_len) if batched else (s_len,)
+            if tuple(kpm.shape) != expected:
+                raise ValueError(
+                    f"key_padding_mask must be (batch, key_len) = {expected} (self-attention with a cache: cached "
+                    f"plus new keys), got {tuple(kpm.shape)}" if batched else
+                    f"key_padding_mask of an unbatched call must be (key_len,) = {expected}, got {tuple(kpm.shape)}"
+                )
+            if kpm.device != q.device:
+                raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {q.device}")
+            parts.append(kpm.reshape(batch, 1, 1, s_len))
+        if attn_mask is not None:
+            if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+                kind = attn_mask.dtype if isinstance(attn_mask, torch.Tensor) else type(attn_mask).__name__
+                raise TypeError(f"attn_mask must be a bool (True = NOT allowed) or float (additive) tensor, got {kind}")
+            if attn_mask.device != q.device:
+                raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}")
+            per_head = (batch * self.num_heads, q_len, s_len)
+            if tuple(attn_mask.shape) == (q_len, s_len):
+                parts.append(attn_mask.reshape(1, 1, q_len, s_len))
+            elif tuple(attn_mask.shape) == per_head:
+                parts.append(attn_mask.reshape(batch, self.num_heads, q_len, s_len))
+            else:
+                raise ValueError(
+                    f"attn_mask must be (query_len, key_len) = {(q_len, s_len)} or (batch * num_heads, query_len, "
+                    f"key_len) = {per_head}, got {tuple(attn_mask.shape)}"
+                )
+        if not parts:
             return None
-        if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
-            kind = kpm.dtype if isinstance(kpm, torch.Tensor) else type(kpm).__name__
-            raise TypeError(f"key_padding_mask must be a bool tensor (True = padding), got {kind}")
-        if tuple(kpm.shape) != (batch, key_len):
-            raise ValueError(
-                f"key_padding_mask must be (batch, key_len) = {(batch, key_len)} (cached plus new keys), "
-                f"got {tuple(kpm.shape)}"
-            )
-        if kpm.device != device:
-            raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {device}")
-        return ~kpm[:, None, None, :]
+        if all(p.dtype == torch.bool for p in parts):
+            mask = ~parts[0]
+            for p in parts[1:]:
+                mask = mask & ~p
+            return mask
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        mask = None
+        for p in parts:
+            add = torch.zeros(p.shape, dtype=dtype, device=p.device).masked_fill(p, float("-inf")) \
+                if p.dtype == torch.bool else p.to(dtype)
+            mask = add if mask is None else mask + add
+        return mask
 
     def extra_repr(self) -> str:
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, is_causal={self.is_causal}, "
-            f"cross_attention={self.cross_attention}, backend={self.backend!r}"
+            f"cross_attention={self.cross_attention}, batch_first={self.batch_first}, backend={self.backend!r}"
         )
