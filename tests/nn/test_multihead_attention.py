@@ -217,3 +217,26 @@ def test_bad_arguments_raise_clear_errors():
         MultiheadAttention(E, H, batch_first=1)
     with pytest.raises(TypeError, match="dropout"):
         MultiheadAttention(E, H, dropout=0.1)  # torch's option: refused by name, never ignored
+
+
+def test_is_causal_alone_equals_torch_with_the_causal_mask():
+    # torch needs attn_mask with its is_causal hint; relbias applies the causal mask from the flag alone.
+    layer = MultiheadAttention(E, H)
+    x = torch.randn(6, 2, E)
+    causal = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)
+    expected = _torch_reference(layer)(x, x, x, attn_mask=causal, is_causal=True)
+    got = layer(x, x, x, is_causal=True)
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], expected[1], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["sequence_first", "unbatched"])
+def test_cached_decoding_in_torchs_other_layouts(layout):
+    bias = relbias.ALiBiBias(H, bidirectional=True)
+    cross = MultiheadAttention(E, H, position_bias=bias, cross_attention=True)  # batch_first=False
+    shape = (lambda n: (n, 2, E)) if layout == "sequence_first" else (lambda n: (n, E))
+    query, memory = torch.randn(*shape(4)), torch.randn(*shape(6))
+    full, _ = cross(query, memory, memory)
+    cache = relbias.nn.StaticKVCache(2 if layout == "sequence_first" else 1, H, 6, E // H)
+    steps = [cross(query[t : t + 1], memory, memory, cache=cache)[0] for t in range(4)]
+    torch.testing.assert_close(torch.cat(steps, dim=0), full, atol=1e-5, rtol=0)
