@@ -23,9 +23,10 @@ from ..call import AttentionCall
 from ..positions import Alignment
 from ._bias_tiles import NativeSource, PairSource
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
+from ._reasons import tensor_bias_reasons
 from .base import Backend
 
-__all__ = ["BLOCK_K", "BLOCK_Q", "BlockwiseBackend", "blockwise_attention", "make_source", "tensor_bias_reasons"]
+__all__ = ["BLOCK_K", "BLOCK_Q", "BlockwiseBackend", "blockwise_attention", "make_source"]
 
 #: Default tile: queries x keys per step (tokens). Peak scratch is about 4 such float32 tiles x B x H.
 BLOCK_Q = 256
@@ -109,16 +110,6 @@ class _BlockwiseFunction(torch.autograd.Function):
         else:
             bias_grads = []
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, *bias_grads)
-
-
-def tensor_bias_reasons(call: AttentionCall) -> list[str]:
-    """Reasons shared by every backend that reads a bias module's native form and back-propagates itself."""
-    reasons = []
-    if isinstance(call.bias, torch.Tensor):
-        reasons.append("the bias is a tensor, already materialised (O(N^2)); only the reference takes it")
-    if call.mask is not None and call.mask.requires_grad and torch.is_grad_enabled():
-        reasons.append("the float mask requires grad; only the reference back-propagates into a mask")
-    return reasons
 
 
 class BlockwiseBackend(Backend):

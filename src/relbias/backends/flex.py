@@ -37,7 +37,7 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from . import _flex_blocks
 from .base import Backend
-from .blockwise import tensor_bias_reasons
+from ._reasons import empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
 
 __all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
 
@@ -264,13 +264,7 @@ class FlexBackend(Backend):
         bias = call.bias
         if isinstance(bias, RelativeBias) and not bias.offset_only:
             reasons.append(f"{type(bias).__name__} reads absolute positions; the flex backend looks up a per-offset vector")
-        b, h, lq, d = call.query.shape
-        dv = call.value.shape[-1]
-        if 0 in (b, h, d, dv, lq, call.alignment.key_len):
-            reasons.append(
-                f"an empty axis (batch {b}, num_heads {h}, head_dim {d}, value head_dim {dv}, query_len {lq}, "
-                f"key_len {call.alignment.key_len}); FlexAttention divides by zero on some of them"
-            )
+        reasons += empty_axis_reasons(call, "FlexAttention")
         ok, why = flex_available(call.query.device, call.query.dtype, call.needs_grad)
         if not ok:
             reasons.append(why)
@@ -279,12 +273,9 @@ class FlexBackend(Backend):
         if reasons:
             return reasons
         if not call.keys_and_values_finite:
-            return [
-                "a key or value holds NaN/inf, which FlexAttention spreads to queries that cannot see it "
-                "(0 * inf); blockwise confines it to the queries that see it"
-            ]
+            return non_finite_reasons(call, "FlexAttention")
         if COMPILE:
-            failed = kernel_check(call.query.device, call.query.dtype, d, dv)
+            failed = kernel_check(call.query.device, call.query.dtype, call.query.shape[-1], call.value.shape[-1])
             if failed:
                 return [failed]
         return []

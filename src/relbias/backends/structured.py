@@ -39,7 +39,8 @@ from ._bias_tiles import NativeSource
 from ._cpu_flash import fused_available, fused_backward, fused_forward
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
 from .base import Backend
-from .blockwise import compute_dtype, tensor_bias_reasons
+from ._reasons import empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from .blockwise import compute_dtype
 
 __all__ = ["BLOCK_Q", "StructuredBackend", "far_distance", "far_parts", "structured_attention"]
 
@@ -299,24 +300,14 @@ class StructuredBackend(Backend):
                 "the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk); the fused far parts take only "
                 "that (float masks and masks with a query dimension go to blockwise)"
             )
-        b, h, lq, d = call.query.shape
-        dv = call.value.shape[-1]
+        d, dv = call.query.shape[-1], call.value.shape[-1]
         if dv != d:
             reasons.append(f"value head_dim {dv} differs from query head_dim {d}; the fused kernel needs them equal")
-        if 0 in (b, h, d, lq, call.alignment.key_len):
-            reasons.append(
-                f"an empty axis (batch {b}, num_heads {h}, head_dim {d}, query_len {lq}, key_len "
-                f"{call.alignment.key_len}); the CPU flash kernel divides by zero on some of them"
-            )
+        reasons += empty_axis_reasons(call, "the CPU flash kernel")
         ok, why = fused_available(call.query.device, call.query.dtype)
         if not ok:
             reasons.append(why)
-        if not reasons and not call.keys_and_values_finite:
-            reasons.append(
-                "a key or value holds NaN/inf, which the fused far parts would spread to queries that cannot see "
-                "it (0 * inf); blockwise confines it to the queries that see it"
-            )
-        return reasons
+        return reasons or non_finite_reasons(call, "the fused far parts")
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return structured_attention(call)

@@ -1,0 +1,41 @@
+"""Reasons shared by the fused backends (structured, flex) for calls they cannot run; each a sentence."""
+
+from __future__ import annotations
+
+import torch
+
+from ..call import AttentionCall
+
+__all__ = ["empty_axis_reasons", "non_finite_reasons", "tensor_bias_reasons"]
+
+
+def tensor_bias_reasons(call: AttentionCall) -> list[str]:
+    """A materialised bias tensor, or a float mask that requires grad: only the reference takes them."""
+    reasons = []
+    if isinstance(call.bias, torch.Tensor):
+        reasons.append("the bias is a tensor, already materialised (O(N^2)); only the reference takes it")
+    if call.mask is not None and call.mask.requires_grad and torch.is_grad_enabled():
+        reasons.append("the float mask requires grad; only the reference back-propagates into a mask")
+    return reasons
+
+
+def empty_axis_reasons(call: AttentionCall, kernel: str) -> list[str]:
+    """An empty batch, head, head_dim or length axis, on which ``kernel`` (a name) divides by zero."""
+    b, h, lq, d = call.query.shape
+    dv, lk = call.value.shape[-1], call.alignment.key_len
+    if 0 not in (b, h, d, dv, lq, lk):
+        return []
+    return [
+        f"an empty axis (batch {b}, num_heads {h}, head_dim {d}, value head_dim {dv}, query_len {lq}, key_len "
+        f"{lk}); {kernel} divides by zero on some of them"
+    ]
+
+
+def non_finite_reasons(call: AttentionCall, kernel: str) -> list[str]:
+    """NaN/inf in keys or values, which ``kernel`` (a name) spreads to queries that cannot see them."""
+    if call.keys_and_values_finite:
+        return []
+    return [
+        f"a key or value holds NaN/inf, which {kernel} spreads to queries that cannot see it (0 * inf); "
+        f"blockwise confines it to the queries that see it"
+    ]
