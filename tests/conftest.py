@@ -1,5 +1,7 @@
-"""Shared test fixtures: a seed per test, one torch thread, small backend tiles on request."""
+"""Shared test fixtures: a seed per test, one torch thread, small backend tiles on request; torch's trace logger
+silenced."""
 
+import logging
 import os
 import warnings
 
@@ -12,6 +14,12 @@ import relbias
 from relbias.backends import blockwise, flex, structured
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# torch's structured trace logger ("torch.__trace") is DEBUG and never propagates, so pytest attaches its capture
+# handlers to it directly: every failing test that compiled something (flex) then lists dozens of empty
+# "DEBUG torch.__trace" lines. It only matters when TORCH_TRACE names a folder for tlparse; otherwise silence it.
+if not os.environ.get("TORCH_TRACE"):
+    logging.getLogger("torch.__trace").disabled = True
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,9 @@
-"""Every error documented in relbias.attention's docstring, with the words the user sees."""
+"""Every error documented in relbias.attention's docstring, with the words the user sees; and the suite's own
+settings that turn relbias' warnings into errors and keep torch's trace logger quiet."""
+
+import logging
+import os
+import warnings
 
 import pytest
 import torch
@@ -33,7 +38,7 @@ v = torch.randn(2, 3, 7, 6)
         ((q, k, v), dict(mask=torch.ones(5, 7, dtype=torch.int32)), TypeError, "mask must be bool"),
         ((q, k, v), dict(mask=torch.ones(3, 7, dtype=torch.bool)), ValueError, r"mask of shape \(3, 7\) does not broadcast"),
         ((q, k, v), dict(mask=torch.ones(2, 7, dtype=torch.bool)), ValueError, r"looks like a \(batch, key_len\) key padding mask.*mask\[:, None, None, :\]"),
-        ((q.transpose(1, 2),) * 3, dict(bias=T5Bias(3)), ValueError, "transpose a \(batch, seq_len, num_heads"),
+        ((q.transpose(1, 2),) * 3, dict(bias=T5Bias(3)), ValueError, r"transpose a \(batch, seq_len, num_heads"),
         ((q, k, v), dict(mask=torch.full((5, 7), float("nan"))), ValueError, "NaN or \\+inf"),
         ((q, k, v), dict(mask=torch.full((5, 7), float("inf"))), ValueError, "NaN or \\+inf"),
         ((q, k, v), dict(scale=0.0), ValueError, "scale must be a positive finite number, got 0.0"),
@@ -64,3 +69,49 @@ def test_clipped_per_offset_bias_evaluates_beyond_the_table():
     bias = PerOffsetBias(4, num_heads=3, out_of_range="clip")
     out = relbias.attention(q, k, v, bias=bias)
     assert torch.isfinite(out).all()
+
+
+# ---------------------------------------------------------------- the suite's settings (pyproject.toml, conftest.py)
+
+
+def _warn_from(module_name: str, category: type[Warning]) -> None:
+    """warnings.warn from code whose module is ``module_name``, as a warning raised in (or attributed by its
+    stacklevel to) that module is: the filters match the module regex against the frame's ``__name__``."""
+    code = compile(f"import warnings\nwarnings.warn('from {module_name}', {category.__name__})", relbias.__file__, "exec")
+    exec(code, {"__name__": module_name})
+
+
+@pytest.mark.parametrize("module_name", ["relbias", "relbias.backends.flex", "relbias.integrations.transformers"])
+@pytest.mark.parametrize("category", [UserWarning, DeprecationWarning, RuntimeWarning])
+def test_a_warning_from_relbias_code_fails_the_test(module_name, category):
+    with pytest.raises(category, match=f"from {module_name}"):
+        _warn_from(module_name, category)
+
+
+@pytest.mark.parametrize("module_name", ["torch.jit._script", "transformers.modeling_utils", "relbiasx"])
+def test_a_third_party_warning_is_only_recorded(module_name):
+    with warnings.catch_warnings(record=True) as caught:  # keeps the suite's filters; records instead of showing
+        _warn_from(module_name, DeprecationWarning)
+    assert [str(w.message) for w in caught] == [f"from {module_name}"]
+
+
+@pytest.mark.skipif(bool(os.environ.get("TORCH_TRACE")), reason="TORCH_TRACE asks for torch's structured trace")
+def test_compiling_leaves_no_torch_trace_lines_in_the_captured_log(caplog):
+    caplog.set_level(logging.DEBUG)
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 3.0))
+    assert [r for r in caplog.records if r.name.startswith("torch.__trace")] == []
+
+
+def test_the_sources_compile_without_warnings():
+    """An invalid escape such as "\\(" in a plain string warns only when a file is compiled afresh (not from a
+    cached .pyc), so compile every source and test file here, with warnings as errors."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "src" / "relbias").rglob("*.py")) + sorted((root / "tests").rglob("*.py"))
+    assert len(files) > 20
+    for path in files:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text("utf-8"), str(path), "exec")
