@@ -39,7 +39,13 @@ def test_t5_family_report_and_plots(tmp_path, capsys):
     assert ranges[10] == (10, 16, 22)
     expected = [[q, k] for q in range(40) for k in range(40) if 16 <= q - k <= 22]
     assert info["pairs_sharing"]["pairs"] == expected and info["pairs_sharing"]["count"] == len(expected)
-    assert len(info["bias_vs_offset"]["offsets"]) == 79 and len(info["bias_vs_offset"]["values"]) == 4
+    # the curve runs past max_distance's last bucket (91+ here), not only to L - 1 = 39: every bucket shows
+    offsets = info["bias_vs_offset"]["offsets"]
+    assert info["bias_vs_offset"]["saturation_offset"] == 91 and offsets[0] < -91 and offsets[-1] > 91
+    assert offsets == list(range(offsets[0], -offsets[0] + 1)) and len(info["bias_vs_offset"]["values"]) == 4
+    reached = set(relbias.t5_bucket(torch.tensor(offsets), bidirectional=True, num_buckets=32, max_distance=128).tolist())
+    assert reached == {b for b, lo, hi in ranges if (lo, hi) != (None, None)}
+    assert info["values"] == "random initialisation (seed 0), not learned values"
     for path in info["plots"].values():
         assert png_size(tmp_path / path.split("/")[-1]) == (320, 240)
     import matplotlib.image
@@ -58,7 +64,8 @@ def test_every_family_writes_both_plots(family, tmp_path, capsys):
         assert png_size(tmp_path / path.split("/")[-1]) == (200, 160)
     bias = relbias.biases.make_bias(family, num_heads=3, max_len=12, bidirectional=False)
     assert info["parameter_count"] == (0 if bias is None else sum(p.numel() for p in bias.parameters()))
-    assert info["bias_vs_offset"]["offsets"] == list(range(12))  # causal: offsets 0 .. L-1
+    offsets = info["bias_vs_offset"]["offsets"]  # causal: offsets 0 .. L-1, or past T5's last bucket
+    assert offsets == list(range(12 if family != "t5" else info["bias_vs_offset"]["saturation_offset"] + 23))
 
 
 def test_alibi_curves_are_minus_slope_times_distance(capsys):
@@ -205,3 +212,68 @@ def test_console_entry_point_end_to_end(tmp_path):
     assert "KerpleLogBias, 2 heads" in result.stdout and "r1:" in result.stdout
     assert png_size(tmp_path / "kerple_log_bias_vs_offset.png") == (300, 200)
     assert png_size(tmp_path / "kerple_log_heatmap.png") == (300, 200)
+
+
+def _captured_figures(monkeypatch):
+    """Figures ``inspect`` saves, by file name, so that a test can read their axes and titles."""
+    from matplotlib.figure import Figure
+
+    figures = {}
+    save = Figure.savefig
+
+    def savefig(fig, path, *a, **kw):
+        figures[str(path).split("/")[-1]] = fig
+        return save(fig, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    return figures
+
+
+def test_plots_say_a_fresh_table_is_a_random_initialisation(tmp_path, capsys, monkeypatch):
+    figures = _captured_figures(monkeypatch)
+    assert main(["inspect", "--family", "t5", "--num-heads", "2", "--max-len", "16", "--out-dir", str(tmp_path)]) == 0
+    assert "values: random initialisation (seed 0), not learned values" in capsys.readouterr().out
+    assert len(figures) == 2
+    for fig in figures.values():
+        assert "random initialisation (seed 0), not learned values" in fig.get_suptitle()
+    figures.clear()
+    info = run_json(capsys, "--family", "alibi", "--num-heads", "2", "--out-dir", str(tmp_path))
+    assert info["values"] == "fixed (no learnable parameters)"
+    assert all("random" not in fig.get_suptitle() for fig in figures.values())
+    torch.save(torch.randn(8, 2), tmp_path / "table.pt")
+    info = run_json(capsys, "--state", str(tmp_path / "table.pt"), "--max-distance", "16", "--no-plots")
+    assert info["values"] == "learned (read from the file)"
+
+
+def test_alibi_legend_gives_each_head_its_slope(tmp_path, capsys, monkeypatch):
+    figures = _captured_figures(monkeypatch)
+    run_json(capsys, "--family", "alibi", "--num-heads", "4", "--causal", "--out-dir", str(tmp_path))
+    (ax,) = figures["alibi_bias_vs_offset.png"].axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "head 0, slope 1/4", "head 1, slope 1/16", "head 2, slope 1/64", "head 3, slope 1/256"]
+
+
+def test_eight_heads_get_one_panel_each_or_a_chosen_head(tmp_path, capsys, monkeypatch):
+    figures = _captured_figures(monkeypatch)
+    run_json(capsys, "--family", "alibi", "--num-heads", "8", "--out-dir", str(tmp_path))
+    panels = [ax for ax in figures["alibi_bias_vs_offset.png"].axes if ax.axison]
+    assert [ax.get_title() for ax in panels] == [f"head {h}, slope 1/{2 ** (h + 1)}" for h in range(8)]
+    assert all(len(ax.get_lines()) == 1 + 2 for ax in panels)  # its curve, and the +-(L - 1) marks
+    figures.clear()
+    info = run_json(capsys, "--family", "alibi", "--num-heads", "8", "--head", "2", "--out-dir", str(tmp_path))
+    (ax,) = figures["alibi_bias_vs_offset.png"].axes
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["head 2, slope 1/8"]
+    assert [a.get_title() for a in figures["alibi_heatmap.png"].axes if a.get_images()] == ["head 2, slope 1/8"]
+    assert len(info["bias_vs_offset"]["values"]) == 8  # the report keeps every head
+    assert main(["inspect", "--family", "alibi", "--num-heads", "8", "--head", "8", "--no-plots"]) == 2
+    assert "--head 8 is not a head of this bias, which has 8 (0 .. 7)" in capsys.readouterr().err
+
+
+def test_a_pickle_refused_by_weights_only_is_one_actionable_line(tmp_path, capsys):
+    import fractions
+
+    torch.save({"weight": torch.randn(32, 2), "note": fractions.Fraction(1, 3)}, tmp_path / "pickled.pt")
+    assert main(["inspect", "--state", str(tmp_path / "pickled.pt"), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err  # one line, no terminal escapes
+    assert "holds a pickled fractions.Fraction" in err and "re-save only its tensors" in err

@@ -4,7 +4,8 @@ For a family and its settings (``--family``), or for a T5 bias table in a state_
 (``--state``), prints the bucket map where there is one (:func:`relbias.t5_bucket_ranges`), the number of
 learnable scalars, the family's own constants (ALiBi slopes, KERPLE r1/r2, FIRE c and L, ...), and which
 (query, key) pairs read the same parameter (:meth:`relbias.RelativeBias.pairs_sharing`); writes two PNG
-plots: bias vs offset (one line per head) and the (Lq, Lk) bias heatmap of every head. ``--json`` prints
+plots: bias vs offset (one line per head, one panel per head beyond 4, or only ``--head``; past T5's last
+bucket; a fresh learnable family titled as a random initialisation) and the (Lq, Lk) bias heatmap per head. ``--json`` prints
 the same, machine-readable. Plots need matplotlib (the ``cli`` extra). Offsets are ``i - j``, query minus
 key position, in tokens (docs/conventions.md).
 """
@@ -54,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     direction = p.add_mutually_exclusive_group()
     direction.add_argument("--causal", action="store_true", help="causal (decoder) form")
     direction.add_argument("--bidirectional", action="store_true", help="bidirectional (encoder) form")
+    p.add_argument("--head", type=int, help="plot this head only (default: every head, one panel each beyond 4)")
     p.add_argument("--pair", type=int, nargs=2, metavar=("QUERY", "KEY"), help="pair to find sharers of (default L-1, L//2)")
     p.add_argument("--seed", type=int, default=0, help="seed of a fresh family's initialisation (default 0)")
     p.add_argument("--out-dir", default=".", help="folder for the PNG plots (default: current folder)")
@@ -102,6 +104,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be {limit}, got {value}")
     if args.num_heads is not None and args.num_heads < 1:
         raise ValueError(f"--num-heads must be >= 1, got {args.num_heads}")
+    if args.head is not None and args.head < 0:
+        raise ValueError(f"--head must be >= 0, got {args.head}")
     if args.family is not None:
         for name in ("key", "stack"):
             if getattr(args, name) is not None:
@@ -110,6 +114,21 @@ def _check_args(args: argparse.Namespace) -> None:
             for name in ("num_buckets", "max_distance"):
                 if getattr(args, name) is not None:
                     raise ValueError(f"--{name.replace('_', '-')} applies to the t5 family only, not {args.family!r}")
+
+
+_UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+
+
+def _condensed_load_error(exc: ValueError, path: str) -> str:
+    """torch.load(weights_only=True)'s refusal (a paragraph of advice) as one actionable line; other errors as
+    they are. The class it refused is named in the original error, the exception's context."""
+    text = str(exc)
+    if "Weights only load failed" not in text:
+        return text
+    found = _UNSUPPORTED_GLOBAL.search(f"{text} {exc.__context__}")
+    what = f"a pickled {found.group(1)}" if found else "pickled objects that are not tensors"
+    return (f"could not read {path}: it holds {what}, which torch.load(weights_only=True) will not run; if you "
+            f"trust the file, re-save only its tensors (torch.save(model.state_dict(), ...)) or pass a .safetensors file")
 
 
 def _build(args: argparse.Namespace) -> tuple[RelativeBias | None, dict[str, object], int, bool]:
@@ -123,6 +142,8 @@ def _build(args: argparse.Namespace) -> tuple[RelativeBias | None, dict[str, obj
             )
         except ImportError as exc:  # no safetensors: a clear message and exit status 2, as for other errors
             raise RuntimeError(str(exc)) from None
+        except ValueError as exc:
+            raise ValueError(_condensed_load_error(exc, args.state)) from None
         for name, value, actual in (("num-heads", args.num_heads, bias.num_heads), ("num-buckets", args.num_buckets, bias.num_buckets)):
             if value is not None and value != actual:
                 raise ValueError(f"--{name} {value} does not match the table in {args.state}, which has {actual}")
@@ -158,9 +179,16 @@ def describe(args: argparse.Namespace) -> tuple[dict[str, object], torch.Tensor,
     """
     _check_args(args)
     bias, source, num_heads, causal = _build(args)
+    if args.head is not None and args.head >= num_heads:
+        raise ValueError(f"--head {args.head} is not a head of this bias, which has {num_heads} (0 .. {num_heads - 1})")
     length = args.max_len
     query, key = args.pair if args.pair is not None else (length - 1, length // 2)
-    offsets = torch.arange(0 if causal else -(length - 1), length)
+    bucket_ranges = getattr(bias, "bucket_ranges", None)  # a family that buckets offsets lists them (T5Bias)
+    ranges = bucket_ranges() if bucket_ranges is not None else []
+    # the last bucket starts at the largest finite end; show past it, so that every bucket is on the curve
+    saturation = max((abs(v) for _, lo, hi in ranges for v in (lo, hi) if v is not None), default=0)
+    reach = max(length - 1, saturation + max(4, saturation // 5) if ranges else 0)
+    offsets = torch.arange(0 if causal else -reach, reach + 1)
     curves = bias_vs_offset(bias, offsets, length - 1, num_heads)
     with torch.no_grad():
         heatmaps = bias(length, length).float() if bias is not None else torch.zeros(num_heads, length, length)
@@ -168,6 +196,12 @@ def describe(args: argparse.Namespace) -> tuple[dict[str, object], torch.Tensor,
     if causal:
         heatmaps.masked_fill_(torch.ones(length, length, dtype=torch.bool).triu(1), float("nan"))  # masked keys
     pairs = _pairs_sharing(bias, query, key, length, causal)
+    if bias is None or bias.num_parameters == 0:
+        values = "fixed (no learnable parameters)"
+    elif args.state is not None:
+        values = "learned (read from the file)"
+    else:
+        values = f"random initialisation (seed {args.seed}), not learned values"
     info: dict[str, object] = {
         "source": source,
         "family": args.family if args.family is not None else "t5",
@@ -177,19 +211,36 @@ def describe(args: argparse.Namespace) -> tuple[dict[str, object], torch.Tensor,
         "default_convention": bias.default_convention if bias is not None else None,
         "offset_only": bias.offset_only if bias is not None else True,
         "parameter_count": bias.num_parameters if bias is not None else 0,
+        "values": values,
         "constants": bias.describe() if bias is not None else {},
         "bucket_map": None,
         "pairs_sharing": {"query": query, "key": key, "length": length, "count": len(pairs), "pairs": pairs.tolist()},
-        "bias_vs_offset": {"query_position": length - 1, "offsets": offsets.tolist(), "values": curves.tolist()},
+        "bias_vs_offset": {"query_position": length - 1, "offsets": offsets.tolist(), "values": curves.tolist(),
+                           "saturation_offset": saturation if ranges else None},
         "plots": {},
     }
-    bucket_ranges = getattr(bias, "bucket_ranges", None)  # a family that buckets offsets lists them (T5Bias)
     if bucket_ranges is not None:
-        info["bucket_map"] = [{"bucket": b, "lowest_offset": lo, "highest_offset": hi} for b, lo, hi in bucket_ranges()]
+        info["bucket_map"] = [{"bucket": b, "lowest_offset": lo, "highest_offset": hi} for b, lo, hi in ranges]
     return info, curves, heatmaps
 
 
 # ---------------------------------------------------------------- plots and printing
+
+
+def _per_head(value: object) -> str:
+    """A per-head constant in a legend: exact powers of two as 1/2^k fractions (ALiBi's slopes), else 3 digits."""
+    if isinstance(value, float) and 0 < value < 1 and (1 / value).is_integer() and (int(1 / value) & (int(1 / value) - 1)) == 0:
+        return f"1/{int(1 / value)}"
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def _head_labels(info: dict[str, object]) -> list[str]:
+    """``head h`` and the family's per-head constants (ALiBi slopes, KERPLE r1 and r2): lists of H values."""
+    heads = info["num_heads"]
+    per_head = {k: v for k, v in info["constants"].items() if isinstance(v, (list, tuple)) and len(v) == heads}
+    names = {"slopes": "slope"}
+    return [", ".join([f"head {h}"] + [f"{names.get(k, k)} {_per_head(v[h])}" for k, v in per_head.items()])
+            for h in range(heads)]
 
 
 def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor, args: argparse.Namespace) -> dict[str, str]:
@@ -201,38 +252,60 @@ def _plot(info: dict[str, object], curves: torch.Tensor, heatmaps: torch.Tensor,
     name = info["family"] if args.family is not None else "t5_table"
     size = (args.width / _DPI, args.height / _DPI)
     title = f"{info['class'] or 'NoPE (no position bias)'}, {'bidirectional' if info['bidirectional'] else 'causal'}"
+    if info["values"].startswith("random"):
+        title += f": {info['values']}"
     paths = {"bias_vs_offset": os.path.join(args.out_dir, f"{name}_bias_vs_offset.png"),
              "heatmap": os.path.join(args.out_dir, f"{name}_heatmap.png")}
+    labels = _head_labels(info)
+    heads = [args.head] if args.head is not None else list(range(curves.shape[0]))
+    length = heatmaps.shape[1]
+    saturation = info["bias_vs_offset"]["saturation_offset"]
 
     fig = Figure(figsize=size, dpi=_DPI, layout="constrained")  # titles and colour bar never overlap
-    ax = fig.add_subplot()
     offsets = info["bias_vs_offset"]["offsets"]
-    for h, row in enumerate(curves.tolist()):
-        ax.plot(offsets, row, label=f"head {h}")
-    ax.set_xlabel("offset i - j (tokens; > 0: key in the past)")
-    ax.set_ylabel("bias (logits)")
+    panels = len(heads) > 4  # beyond 4 heads one line each is unreadable: one panel per head, shared axes
+    cols = math.ceil(math.sqrt(len(heads))) if panels else 1
+    rows = math.ceil(len(heads) / cols) if panels else 1
+    axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True).ravel()
+    for i, h in enumerate(heads):
+        ax = axes[i] if panels else axes[0]
+        ax.plot(offsets, curves[h].tolist(), label=labels[h])
+        if panels:
+            ax.set_title(labels[h], fontsize="x-small")
+            ax.tick_params(labelsize="xx-small")
+    for ax in axes[len(heads):] if panels else ():
+        ax.set_axis_off()
+    for ax in axes[: len(heads) if panels else 1]:
+        marks = [(length - 1, "grey", ":")] + ([(saturation, "tab:red", "--")] if saturation else [])
+        for at, colour, style in marks:
+            for x in ([at] if not info["bidirectional"] else [-at, at]):
+                ax.axvline(x, color=colour, linestyle=style, linewidth=0.8)
     where = "" if info["offset_only"] else f" (query at position {info['bias_vs_offset']['query_position']})"
-    ax.set_title(title + where, fontsize="small")
-    if curves.shape[0] <= 16:
-        ax.legend(fontsize="x-small", ncol=2)
+    notes = f"dotted: |offset| = L - 1 = {length - 1}" + (f"; dashed: last bucket from |offset| = {saturation}" if saturation else "")
+    wide = args.width >= 500  # the marks' note and a legend need room; a small figure keeps the curves only
+    fig.supxlabel(f"offset i - j (tokens; > 0: key in the past)" + (f". {notes}" if wide else ""), fontsize="x-small")
+    fig.supylabel("bias (logits)", fontsize="small")
+    fig.suptitle(title + where, fontsize="small")
+    if not panels and (wide or len(heads) == 1):
+        axes[0].legend(fontsize="x-small", ncol=2 if len(heads) > 2 else 1)
     fig.savefig(paths["bias_vs_offset"], dpi=_DPI)
 
-    heads = heatmaps.shape[0]
-    cols = math.ceil(math.sqrt(heads))
-    rows = math.ceil(heads / cols)
+    cols = math.ceil(math.sqrt(len(heads)))
+    rows = math.ceil(len(heads) / cols)
     fig = Figure(figsize=size, dpi=_DPI, layout="constrained")  # titles and colour bar never overlap
     axes = fig.subplots(rows, cols, squeeze=False)
-    shown = heatmaps[~heatmaps.isnan()]  # masked (future) keys are NaN: left blank, out of the colour range
+    chosen = heatmaps[heads]
+    shown = chosen[~chosen.isnan()]  # masked (future) keys are NaN: left blank, out of the colour range
     low, high = float(shown.min()), float(shown.max())
-    for h, ax in enumerate(axes.flat):
-        if h >= heads:
+    for i, ax in enumerate(axes.flat):
+        if i >= len(heads):
             ax.set_axis_off()
             continue
-        image = ax.imshow(heatmaps[h].numpy(), vmin=low, vmax=high, cmap="viridis", interpolation="nearest")
-        ax.set_title(f"head {h}", fontsize="x-small")
+        image = ax.imshow(chosen[i].numpy(), vmin=low, vmax=high, cmap="viridis", interpolation="nearest")
+        ax.set_title(labels[heads[i]], fontsize="x-small")
         ax.tick_params(labelsize="xx-small")
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="bias (logits)")
-    fig.suptitle(f"{title}: (query, key) bias, L = {heatmaps.shape[1]}; rows queries, columns keys", fontsize="small")
+    fig.suptitle(f"{title}: (query, key) bias, L = {length}; rows queries, columns keys", fontsize="small")
     fig.savefig(paths["heatmap"], dpi=_DPI)
     return paths
 
@@ -250,7 +323,7 @@ def _print_text(info: dict[str, object], args: argparse.Namespace) -> None:
     print(f"{origin}: {info['class'] or 'NoPE, no position bias'}, {info['num_heads']} heads, "
           f"{'bidirectional' if info['bidirectional'] else 'causal'}"
           + (f", score convention {info['default_convention']!r}" if info["default_convention"] else ""))
-    print(f"learnable parameters: {info['parameter_count']}")
+    print(f"learnable parameters: {info['parameter_count']}; values: {info['values']}")
     for name, value in info["constants"].items():
         print(f"  {name}: {_shown(value)}")
     if info["bucket_map"] is not None:
