@@ -126,7 +126,9 @@ def _condensed_load_error(exc: ValueError, path: str) -> str:
     if "Weights only load failed" not in text:
         return text
     found = _UNSUPPORTED_GLOBAL.search(f"{text} {exc.__context__}")
-    what = f"a pickled {found.group(1)}" if found else "pickled objects that are not tensors"
+    if found is None:  # not a refused class (e.g. no pickle at all): torch's first line says what went wrong
+        return text.splitlines()[0]
+    what = f"a pickled {found.group(1)}"
     return (f"could not read {path}: it holds {what}, which torch.load(weights_only=True) will not run; if you "
             f"trust the file, re-save only its tensors (torch.save(model.state_dict(), ...)) or pass a .safetensors file")
 
