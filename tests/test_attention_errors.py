@@ -48,8 +48,8 @@ v = torch.randn(2, 3, 7, 6)
         ((q, k, v), dict(backend="magic"), ValueError, "unknown backend 'magic'"),
         ((q, k, v), dict(is_causal=1), TypeError, "is_causal must be a bool"),
         ((q, k, v), dict(query_start=1.0), TypeError, "query_start must be an int"),
-        ((q, k, v), dict(bias=PerOffsetBias(4, num_heads=3)), ValueError, "offset .* has no parameter"),
-        ((q, k, v), dict(bias=PerOffsetBias(9, bidirectional=False)), ValueError, "future keys"),
+        ((q, k, v), dict(bias=PerOffsetBias(max_len=4, num_heads=3)), ValueError, "offset .* has no parameter"),
+        ((q, k, v), dict(bias=PerOffsetBias(max_len=9, bidirectional=False)), ValueError, "future keys"),
     ],
 )
 def test_documented_errors(args, kwargs, error, words):
@@ -66,7 +66,7 @@ def test_meta_device_bias_is_a_device_mismatch():
 
 
 def test_clipped_per_offset_bias_evaluates_beyond_the_table():
-    bias = PerOffsetBias(4, num_heads=3, out_of_range="clip")
+    bias = PerOffsetBias(max_len=4, num_heads=3, out_of_range="clip")
     out = relbias.attention(q, k, v, bias=bias)
     assert torch.isfinite(out).all()
 

@@ -70,7 +70,7 @@ def test_t5_convention_rejects_a_scale():
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_matches_sdpa_with_the_bias_as_attn_mask(convention, is_causal):
     q, k, v = qkv(lq=6, lk=6)
-    bias = T5Bias(3, num_buckets=8, max_distance=16, init_std=1.0)
+    bias = T5Bias(3, num_buckets=8, max_distance=16, init_std=1.0, bidirectional=not is_causal)
     pe = bias(6, 6)
     scale = 1.0 if convention == "t5" else 0.5
     attn_mask = pe * scale if convention == "seed" else pe
@@ -130,7 +130,7 @@ def test_no_keys_at_all_returns_zeros():
 # --- alignment --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bias", [T5Bias(3, bidirectional=False, init_std=1.0), PerOffsetBias(12, num_heads=3, bidirectional=False, init_std=1.0)])
+@pytest.mark.parametrize("bias", [T5Bias(3, bidirectional=False, init_std=1.0), PerOffsetBias(max_len=12, num_heads=3, bidirectional=False, init_std=1.0)])
 def test_default_alignment_equals_the_last_rows_of_full_attention(bias):
     # decoding with a KV cache: the last queries against all keys
     q, k, v = qkv(lq=10, lk=10)
@@ -221,8 +221,8 @@ def _families():
     return [
         ("t5", T5Bias(2, num_buckets=8, max_distance=16, init_std=1.0).double(), False),
         ("t5-causal", T5Bias(2, num_buckets=8, max_distance=16, bidirectional=False, init_std=1.0).double(), True),
-        ("offset", PerOffsetBias(6, num_heads=2, init_std=1.0).double(), False),
-        ("offset-shared-causal", PerOffsetBias(6, bidirectional=False, init_std=1.0).double(), True),
+        ("offset", PerOffsetBias(max_len=6, num_heads=2, init_std=1.0).double(), False),
+        ("offset-shared-causal", PerOffsetBias(max_len=6, bidirectional=False, init_std=1.0).double(), True),
         ("function", FunctionBias(_MLP(), num_heads=2), False),
     ]
 

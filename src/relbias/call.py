@@ -9,6 +9,7 @@ names and the reasons it gives are those of the real call.
 from __future__ import annotations
 
 import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -126,6 +127,10 @@ def make_call(
 
     Arguments as :func:`relbias.attention`.
 
+    Warns:
+        UserWarning: once per bias module, when ``is_causal=True`` meets a bidirectional bias whose
+            :meth:`~relbias.RelativeBias.causal_mismatch` says why that is almost surely unintended (T5 buckets).
+
     Raises:
         TypeError, ValueError: as :func:`relbias.attention` documents.
     """
@@ -135,6 +140,11 @@ def make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
     )
     convention, scale = _attention_inputs.resolve_convention(convention, bias, scale, query.shape[-1])
+    if is_causal and isinstance(bias, RelativeBias) and bias.bidirectional and not getattr(bias, "_mismatch_warned", False):
+        note = bias.causal_mismatch()
+        if note is not None:  # once per module: a training loop would repeat it every step
+            bias._mismatch_warned = True
+            warnings.warn(note, UserWarning, stacklevel=3)
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     return AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse)

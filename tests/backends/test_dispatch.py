@@ -87,8 +87,8 @@ def test_unknown_backend_lists_auto():
         relbias.T5Bias(2, bidirectional=False),
         relbias.T5Bias(2, num_buckets=8, max_distance=16),
         relbias.T5Bias(2, num_buckets=64, max_distance=300, bidirectional=False),
-        relbias.PerOffsetBias(7, num_heads=2, out_of_range="clip", init_std=1.0),
-        relbias.PerOffsetBias(1, num_heads=2, out_of_range="clip", init_std=1.0),
+        relbias.PerOffsetBias(max_len=7, num_heads=2, out_of_range="clip", init_std=1.0),
+        relbias.PerOffsetBias(max_len=1, num_heads=2, out_of_range="clip", init_std=1.0),
     ],
     ids=["t5", "t5-causal", "t5-8-16", "t5-64-300-causal", "offset-clip", "offset-clip-L1"],
 )
@@ -105,7 +105,7 @@ def test_far_constant_distance_is_true(bias):
 
 
 def test_per_offset_without_clipping_has_no_far_constant():
-    assert structured.far_distance(relbias.PerOffsetBias(8)) is None
+    assert structured.far_distance(relbias.PerOffsetBias(max_len=8)) is None
     assert relbias.T5Bias(2, bidirectional=False).far_constant_distance() == 113
     assert relbias.T5Bias(2).far_constant_distance() == 91
 

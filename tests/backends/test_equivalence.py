@@ -39,7 +39,7 @@ def build_bias(name: str, *, num_heads: int, bidirectional: bool, max_len: int =
     if name == "t5_small":
         bias = relbias.T5Bias(num_heads, num_buckets=8, max_distance=16, bidirectional=bidirectional)
     elif name == "offset_clip":
-        bias = relbias.PerOffsetBias(6, num_heads=num_heads, bidirectional=bidirectional, out_of_range="clip")
+        bias = relbias.PerOffsetBias(max_len=6, num_heads=num_heads, bidirectional=bidirectional, out_of_range="clip")
     else:
         bias = make_bias(name, num_heads=num_heads, max_len=max_len, bidirectional=bidirectional)
     if bias is not None:

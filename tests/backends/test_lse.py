@@ -21,7 +21,7 @@ def _bias(name, bidirectional):
     if name == "t5_small":
         bias = relbias.T5Bias(H, num_buckets=8, max_distance=16, bidirectional=bidirectional)
     elif name == "offset_clip":
-        bias = relbias.PerOffsetBias(5, num_heads=H, bidirectional=bidirectional, out_of_range="clip")
+        bias = relbias.PerOffsetBias(max_len=5, num_heads=H, bidirectional=bidirectional, out_of_range="clip")
     else:
         bias = relbias.ALiBiBias(H, bidirectional=bidirectional)
     with torch.no_grad():

@@ -32,7 +32,7 @@ def test_golden_slopes_small_head_counts():
 
 
 def test_causal_bias_is_minus_slope_times_distance_by_hand():
-    bias = ALiBiBias(4)  # slopes 1/4, 1/16, 1/64, 1/256
+    bias = ALiBiBias(4, bidirectional=False)  # slopes 1/4, 1/16, 1/64, 1/256
     out = bias(3, 5)  # queries at 2, 3, 4
     for h, m in enumerate([1 / 4, 1 / 16, 1 / 64, 1 / 256]):
         for t in range(3):
@@ -68,7 +68,7 @@ def test_attention_to_past_keys_decays_by_exp_minus_slope_per_token():
 
 
 def test_no_learnable_parameters_and_slopes_not_in_state_dict():
-    bias = ALiBiBias(8)
+    bias = ALiBiBias(8, bidirectional=False)
     assert bias.num_parameters == 0 and list(bias.parameters()) == []
     assert bias.state_dict() == {}
     assert bias.default_convention == "additive"
@@ -77,12 +77,12 @@ def test_no_learnable_parameters_and_slopes_not_in_state_dict():
 def test_causal_bias_refuses_visible_future_keys():
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="causal"):
-        relbias.attention(q, q, q, bias=ALiBiBias(2), is_causal=False)
+        relbias.attention(q, q, q, bias=ALiBiBias(2, bidirectional=False), is_causal=False)
 
 
 def test_pairs_sharing_a_value_mirror_in_bidirectional_mode():
     assert ALiBiBias(1, bidirectional=True).pairs_sharing(1, 3, 4).tolist() == [[0, 2], [1, 3], [2, 0], [3, 1]]
-    assert ALiBiBias(1).pairs_sharing(3, 1, 4).tolist() == [[2, 0], [3, 1]]
+    assert ALiBiBias(1, bidirectional=False).pairs_sharing(3, 1, 4).tolist() == [[2, 0], [3, 1]]
 
 
 def test_registry_builds_alibi():

@@ -38,7 +38,7 @@ def test_bias_matches_hand_computation_below_and_above_the_threshold(bidirection
 
 
 def test_depends_on_the_query_position_beyond_the_threshold_only():
-    bias = FIREBias(2, init_threshold=6.0)
+    bias = FIREBias(2, init_threshold=6.0, bidirectional=False)
     x = bias.normalized_input(torch.tensor([2, 5, 9, 12]), torch.tensor([1, 4, 8, 11]))
     assert x[0, 0] == x[1, 1]  # offset 1, queries 2 and 5 <= L: same normaliser psi(L)
     assert x[2, 2] > x[3, 3]  # offset 1, queries 9 < 12 past L: larger normaliser, smaller input

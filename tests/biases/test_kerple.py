@@ -11,7 +11,7 @@ from relbias.biases import make_bias
 
 
 def test_log_variant_matches_hand_computation():
-    bias = KerpleLogBias(2, init_r1=[0.5, 1.5], init_r2=[0.25, 2.0])
+    bias = KerpleLogBias(2, init_r1=[0.5, 1.5], init_r2=[0.25, 2.0], bidirectional=False)
     out = bias(3, 4).detach()  # queries at 1, 2, 3; keys 0..3
     for h, (r1, r2) in enumerate([(0.5, 0.25), (1.5, 2.0)]):
         for t in range(3):

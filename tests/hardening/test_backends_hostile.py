@@ -98,7 +98,7 @@ def test_rows_whose_keys_are_all_in_the_future_are_zero(backend, small_tiles):
 def test_a_huge_positive_bias_on_masked_keys_is_held_back(backend, huge, small_tiles):
     """The bias at offset 3 (a past key, hidden by a mask) and at -3 (a future key, hidden by is_causal)."""
     q, k, v = _qkv(lq=20, lk=20)
-    bias = PerOffsetBias(20, num_heads=2, bidirectional=True, out_of_range="clip")
+    bias = PerOffsetBias(max_len=20, num_heads=2, bidirectional=True, out_of_range="clip")
     offsets = torch.arange(20)[:, None] - torch.arange(20)[None, :]
     for offset, mask, is_causal in ((3, offsets != 3, False), (-3, None, True)):
         with torch.no_grad():
@@ -283,7 +283,7 @@ def test_every_argument_on_the_meta_device_gives_the_shape_or_a_clear_refusal(ba
 @pytest.mark.parametrize("backend", BACKEND_NAMES)
 def test_a_per_offset_table_too_short_for_the_block(backend, small_tiles):
     q, k, v = _qkv(lq=10, lk=10)
-    bias = PerOffsetBias(8, num_heads=2, bidirectional=False, init_std=1.0)
+    bias = PerOffsetBias(max_len=8, num_heads=2, bidirectional=False, init_std=1.0)
     with torch.no_grad():
         try:
             got = call_or_refusal(backend, q, k, v, bias=bias, is_causal=True)

@@ -34,12 +34,12 @@ def test_every_family_rejects_bad_head_counts(cls, num_heads, error, message):
 )
 def test_per_offset_table_sizes(max_len, error, message):
     with pytest.raises(error, match=message):
-        PerOffsetBias(max_len)
+        PerOffsetBias(max_len=max_len)
 
 
 def test_per_offset_unknown_out_of_range_policy():
     with pytest.raises(ValueError, match=r"out_of_range must be one of \('error', 'clip'\), got 'wrap'"):
-        PerOffsetBias(4, out_of_range="wrap")
+        PerOffsetBias(max_len=4, out_of_range="wrap")
 
 
 @pytest.mark.parametrize("num_buckets", [2, 3, 7])

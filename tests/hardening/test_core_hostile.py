@@ -32,6 +32,7 @@ def _naive(q, k, v, pe, keep, scale):
 @pytest.mark.parametrize("lq, lk", [(1, 1), (1, 7), (7, 1), (3, 9), (9, 3), (0, 4), (4, 0), (0, 0)])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("query_start", [None, 0, 5, -3])
+@pytest.mark.filterwarnings(r"ignore:T5Bias\(bidirectional=True\) used with is_causal=True")  # deliberate here
 def test_lengths_and_positions_against_a_naive_loop(lq, lk, is_causal, query_start):
     q, k, v = _qkv(lq=lq, lk=lk)
     bias = T5Bias(2, num_buckets=8, max_distance=16, init_std=1.0)
@@ -77,7 +78,7 @@ def test_non_contiguous_and_expanded_tensors_equal_their_contiguous_copies():
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other strides
     kx = k[:1].expand(2, -1, -1, -1)  # expanded over batch (stride 0)
     vs = torch.randn(2, 2, 12, 3)[:, :, ::2]  # strided view
-    bias = T5Bias(2, init_std=1.0)
+    bias = T5Bias(2, init_std=1.0, bidirectional=False)
     out = relbias.attention(qt, kx, vs, bias=bias, is_causal=True)
     ref = relbias.attention(q.contiguous(), kx.contiguous(), vs.contiguous(), bias=bias, is_causal=True)
     assert not qt.is_contiguous() and not vs.is_contiguous()
@@ -114,11 +115,11 @@ def test_max_distance_not_larger_than_the_exact_region(max_distance, bidirection
 def test_per_offset_beyond_the_table_in_attention_and_with_clipping():
     q, k, v = _qkv(lq=10, lk=10)
     with pytest.raises(ValueError, match="offset 9 has no parameter.*largest offset it knows is 7"):
-        relbias.attention(q, k, v, bias=PerOffsetBias(8, bidirectional=False), is_causal=True)
-    clipped = PerOffsetBias(8, bidirectional=False, out_of_range="clip", init_std=1.0)
+        relbias.attention(q, k, v, bias=PerOffsetBias(max_len=8, bidirectional=False), is_causal=True)
+    clipped = PerOffsetBias(max_len=8, bidirectional=False, out_of_range="clip", init_std=1.0)
     out = relbias.attention(q, k, v, bias=clipped, is_causal=True)
     # clipping equals a table extended with copies of the last trained entry
-    longer = PerOffsetBias(10, bidirectional=False)
+    longer = PerOffsetBias(max_len=10, bidirectional=False)
     with torch.no_grad():
         longer.weight[:8] = clipped.weight
         longer.weight[8:] = clipped.weight[7]
@@ -138,7 +139,7 @@ def test_dtypes_that_differ_between_arguments():
 
 
 def test_gradients_are_finite_on_fully_masked_rows_for_every_core_family():
-    for bias in (T5Bias(2), PerOffsetBias(6, num_heads=2, init_std=1.0), relbias.FunctionBias(lambda o: -o.abs().float())):
+    for bias in (T5Bias(2), PerOffsetBias(max_len=6, num_heads=2, init_std=1.0), relbias.FunctionBias(lambda o: -o.abs().float())):
         q, k, v = (t.requires_grad_() for t in _qkv())
         keep = torch.zeros(2, 1, 4, 6, dtype=torch.bool)
         keep[1, :, 2:] = True

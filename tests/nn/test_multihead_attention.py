@@ -181,7 +181,7 @@ def test_a_shared_bias_is_one_parameter_set_trained_by_every_layer():
 
 
 def test_per_offset_bias_without_clipping_fails_beyond_its_table():
-    bias = relbias.PerOffsetBias(4, num_heads=H, bidirectional=False)
+    bias = relbias.PerOffsetBias(max_len=4, num_heads=H, bidirectional=False)
     layer = MultiheadAttention(E, H, batch_first=True, position_bias=bias, is_causal=True)
     layer(torch.randn(1, 4, E), need_weights=False)
     for need_weights in (False, True):

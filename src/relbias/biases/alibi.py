@@ -53,7 +53,7 @@ class ALiBiBias(RelativeBias):
     ``(q.k) * scale + PE + Mask`` (Press et al. 2022, §3: the bias is added after the query-key product
     is scaled), which is this module's ``default_convention``.
 
-    Causal (``bidirectional=False``, the default and the paper's setting): defined for past keys,
+    Causal (``bidirectional=False``, the paper's setting): defined for past keys,
     ``-m_h * (i - j)`` for ``i - j >= 0``; future keys (offset < 0) get 0 and must be masked.
 
     Bidirectional (``bidirectional=True``, not in the paper; our definition): the symmetric penalty
@@ -61,7 +61,8 @@ class ALiBiBias(RelativeBias):
 
     Args:
         num_heads: number of heads H, >= 1; head ``h`` uses slope ``alibi_slopes(H)[h]``.
-        bidirectional: False (default) for causal attention, True for the symmetric form.
+        bidirectional: True (default, as every family: docs/conventions.md) for the symmetric form, which
+            equals the causal one on past keys; False for the causal-only form.
 
     Attributes:
         slopes: float32 non-persistent buffer (H,), the slopes (derived, so not in the state_dict).
@@ -80,7 +81,7 @@ class ALiBiBias(RelativeBias):
     default_convention = "additive"
     distance_only = True
 
-    def __init__(self, num_heads: int, *, bidirectional: bool = False) -> None:
+    def __init__(self, num_heads: int, *, bidirectional: bool = True) -> None:
         super().__init__()
         check_int("num_heads", num_heads, minimum=1)
         if not isinstance(bidirectional, bool):

@@ -127,6 +127,16 @@ class RelativeBias(nn.Module):
         """
         return {}
 
+    def causal_mismatch(self) -> str | None:
+        """Why using this (bidirectional) bias under ``is_causal=True`` is almost surely a mistake, or None.
+
+        Families whose bidirectional form equals their causal form on past keys (ALiBi, KERPLE, FIRE,
+        functions of the offset) return None (the default); table families whose causal form is laid out
+        differently (T5 buckets, per-offset rows) say what the user would lose. :func:`relbias.attention`
+        warns with it once per module.
+        """
+        return None
+
     def far_constant_distance(self) -> int | None:
         """The distance T (tokens, >= 1) from which the bias is one constant per direction, or None.
 

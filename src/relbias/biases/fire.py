@@ -41,7 +41,7 @@ class FIREBias(RelativeBias):
     ``nn.Linear`` initialisation. ``eps`` is added to ``psi(max(L, i))`` so that a threshold shrinking
     towards 0 cannot divide by 0.
 
-    Causal (``bidirectional=False``, default, the paper's setting): past keys (``i - j >= 0``) as above;
+    Causal (``bidirectional=False``, the paper's setting): past keys (``i - j >= 0``) as above;
     future keys get 0 and must be masked. Bidirectional (not in the paper; our definition): the MLP
     reads the signed input ``sign(i - j) * psi(|i - j|) / psi(max(L, i))``, so a key d tokens ahead
     and one d tokens behind get different values from the same function.
@@ -51,7 +51,8 @@ class FIREBias(RelativeBias):
 
     Args:
         num_heads: number of heads H, >= 1 (the MLP's output width).
-        bidirectional: False (default) for causal attention.
+        bidirectional: True (default, as every family: docs/conventions.md; equal to the causal form on
+            past keys), False for the causal-only form.
         hidden_width: width of the MLP's hidden layer, >= 1 (default 32).
         init_c: initial c, > 0 (default 0.1).
         init_threshold: initial threshold L in tokens, > 0 (default 512).
@@ -74,7 +75,7 @@ class FIREBias(RelativeBias):
         self,
         num_heads: int,
         *,
-        bidirectional: bool = False,
+        bidirectional: bool = True,
         hidden_width: int = 32,
         init_c: float = 0.1,
         init_threshold: float = 512.0,

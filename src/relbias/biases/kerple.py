@@ -66,7 +66,7 @@ class _KerpleBias(RelativeBias):
         self,
         num_heads: int,
         *,
-        bidirectional: bool = False,
+        bidirectional: bool = True,
         init_r1: float | Sequence[float] | None = None,
         init_r2: float | Sequence[float] | None = None,
     ) -> None:
@@ -120,13 +120,14 @@ class KerpleLogBias(_KerpleBias):
     ``softplus``. Used with the additive score convention ``(q.k) * scale + PE + Mask`` (the paper adds
     the kernel to the scaled logits), this module's ``default_convention``.
 
-    Causal (``bidirectional=False``, default, the paper's language-model setting): past keys use
+    Causal (``bidirectional=False``, the paper's language-model setting): past keys use
     ``|i - j| = i - j``; future keys get 0 and must be masked. Bidirectional: the same kernel of
     ``|i - j|`` for keys on either side (the kernel is symmetric by construction).
 
     Args:
         num_heads: number of heads H, >= 1.
-        bidirectional: False (default) for causal attention.
+        bidirectional: True (default, as every family: docs/conventions.md; equal to the causal form on
+            past keys), False for the causal-only form.
         init_r1: initial r1, a number or one per head, > 0; default uniform in [0.01, 1.99] (the
             authors' code draws U(0, 2) and clamps at 0.01).
         init_r2: initial r2, a number or one per head, > 0; default uniform in [0.01, 0.99] (U(0, 1)).
@@ -163,7 +164,8 @@ class KerplePowerBias(_KerpleBias):
 
     Args:
         num_heads: number of heads H, >= 1.
-        bidirectional: False (default) for causal attention.
+        bidirectional: True (default, as every family: docs/conventions.md; equal to the causal form on
+            past keys), False for the causal-only form.
         init_r1: initial r1, a number or one per head, > 0; default uniform in [0.01, 0.99] (the
             authors' code draws U(0, 1) and clamps at 0.01).
         init_r2: initial r2, a number or one per head, in (0, 2); default uniform in [0.01, 1.99]

@@ -25,8 +25,11 @@ class PerOffsetBias(TableBias):
 
     Score convention by default: "seed", ``((q.k) + u_{i-j}) * scale`` (docs/conventions.md).
 
+    Every argument is keyword-only (docs/conventions.md, "Constructors"): in relbias a positional number is
+    ``num_heads``, so ``PerOffsetBias(8)`` is refused rather than read as ``max_len=8``.
+
     Args:
-        max_len: longest training length L in tokens, >= 1.
+        max_len: longest training length L in tokens, >= 1 (required).
         num_heads: 1 (default) for one table shared by all heads (the output broadcasts over heads),
             or H for one table per head.
         bidirectional: True (default) for offsets of both signs, False for causal attention.
@@ -39,7 +42,7 @@ class PerOffsetBias(TableBias):
             ``offset + L - 1`` (bidirectional).
 
     Raises:
-        TypeError: non-int ``max_len`` / ``num_heads``.
+        TypeError: a positional argument, a missing ``max_len``, non-int ``max_len`` / ``num_heads``.
         ValueError: ``max_len`` < 1, ``num_heads`` < 1, unknown ``out_of_range`` or negative
             ``init_std``; from :meth:`index`, an offset beyond the table with ``out_of_range="error"``.
     """
@@ -48,14 +51,22 @@ class PerOffsetBias(TableBias):
 
     def __init__(
         self,
-        max_len: int,
-        *,
+        *args: object,
+        max_len: int | None = None,
         num_heads: int = 1,
         bidirectional: bool = True,
         out_of_range: str = "error",
         init_std: float = 0.0,
     ) -> None:
         super().__init__()
+        if args:
+            raise TypeError(
+                f"PerOffsetBias takes keyword arguments only, got positional {args!r}: a positional number means "
+                f"num_heads in relbias (T5Bias(8) has 8 heads), so pass the table length as max_len= "
+                f"(e.g. PerOffsetBias(max_len={args[0]!r}, num_heads=1))"
+            )
+        if max_len is None:
+            raise TypeError("PerOffsetBias needs max_len=, the longest training length L in tokens")
         check_int("max_len", max_len, minimum=1)
         check_int("num_heads", num_heads, minimum=1)
         if out_of_range not in _POLICIES:
@@ -122,6 +133,14 @@ class PerOffsetBias(TableBias):
             values = values.masked_fill(rows < 0, 0.0)  # future keys: no parameter, bias 0
         return values
 
+    def causal_mismatch(self) -> str | None:
+        if not self.bidirectional:
+            return None
+        return (
+            f"PerOffsetBias(bidirectional=True) used with is_causal=True: the {self.max_len - 1} rows of future "
+            f"offsets are never read or trained; pass bidirectional=False for a causal table of {self.max_len} rows"
+        )
+
     def far_constant_distance(self) -> int | None:
         """Distance T (tokens) from which the bias is one constant per direction, or None.
 
@@ -145,6 +164,6 @@ class PerOffsetBias(TableBias):
 register_family(
     "offset",
     lambda *, num_heads, max_len, bidirectional, **o: PerOffsetBias(
-        max_len, num_heads=num_heads, bidirectional=bidirectional, **o
+        max_len=max_len, num_heads=num_heads, bidirectional=bidirectional, **o
     ),
 )

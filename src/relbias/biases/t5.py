@@ -80,6 +80,15 @@ class T5Bias(TableBias):
         _, lo, _ = self.bucket_ranges()[self.num_buckets // 2 - 1 if self.bidirectional else -1]
         return lo
 
+    def causal_mismatch(self) -> str | None:
+        if not self.bidirectional:
+            return None
+        return (
+            f"T5Bias(bidirectional=True) used with is_causal=True: past offsets get the encoder's bucketing "
+            f"(half of the {self.num_buckets} buckets, the future ones, are never read); Hugging Face's T5 decoders "
+            f"use causal buckets: pass bidirectional=False"
+        )
+
     def far_constant_distance(self) -> int:
         """Distance T (tokens) from which the bias is one constant per direction: :attr:`saturation_distance`.
 
