@@ -7,6 +7,7 @@ including their float32 rounding (``relative_position = key_pos - query_pos = -o
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -46,6 +47,13 @@ def validate_t5_buckets(*, bidirectional: bool, num_buckets: int, max_distance: 
         raise TypeError(f"bidirectional must be a bool, got {bidirectional!r}")
     check_int("num_buckets", num_buckets)
     check_int("max_distance", max_distance)
+    _check_settings(bidirectional, num_buckets, max_distance)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_settings(bidirectional: bool, num_buckets: int, max_distance: int) -> None:
+    """The value checks of :func:`validate_t5_buckets`, once per setting (a lookup then costs O(1)); on the
+    CPU whatever the default device (so that ``with torch.device("meta")`` works)."""
     if bidirectional:
         if num_buckets < 4:
             raise ValueError(
@@ -69,9 +77,9 @@ def validate_t5_buckets(*, bidirectional: bool, num_buckets: int, max_distance: 
             f"bucket each, and the log region spans {max_exact}..max_distance; got max_distance={max_distance}"
         )
     num_log = per_direction - max_exact
-    distances = torch.arange(max_exact, min(max_distance, _SCAN_LIMIT) + 1)
+    distances = torch.arange(max_exact, min(max_distance, _SCAN_LIMIT) + 1, device="cpu")
     used = torch.unique(_log_region_bucket(distances, max_exact, num_log, max_distance))
-    expected = torch.arange(max_exact, per_direction)
+    expected = torch.arange(max_exact, per_direction, device="cpu")
     if used.numel() != expected.numel():
         missing = sorted(set(expected.tolist()) - set(used.tolist()))
         raise ValueError(
