@@ -4,7 +4,7 @@ from .biases import CONVENTIONS, FunctionBias, NativeBias, PerOffsetBias, Relati
 from .biases import ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, alibi_slopes
 from .buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
 from .dispatch import explain_backend
-from .functional import attention
+from .functional import attention, attention_with_weights
 from .positions import Alignment, relative_offsets, resolve_alignment
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "TableBias",
     "alibi_slopes",
     "attention",
+    "attention_with_weights",
     "explain_backend",
     "relative_offsets",
     "resolve_alignment",

@@ -8,7 +8,7 @@ from .biases.base import RelativeBias
 from .call import make_call
 from .dispatch import resolve_backend
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_with_weights"]
 
 
 def attention(
@@ -104,3 +104,34 @@ def attention(
     chosen, _ = resolve_backend(backend, call)
     out, lse = chosen.forward(call)
     return (out, lse) if return_lse else out
+
+
+def attention_with_weights(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` that also returns the attention probabilities, materialised.
+
+    Runs the reference backend on ``value`` extended by an identity over the keys, so the weights are
+    exactly the probabilities that produce the output (a masked key 0, a row with no visible key all 0).
+    Memory O(B·H·Lq·Lk): for inspection, ``output_attentions`` and small blocks, not for long sequences.
+
+    Args:
+        query, key, value: (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv) as :func:`attention`.
+        **kwargs: the keyword arguments of :func:`attention` except ``backend`` and ``return_lse``.
+
+    Returns:
+        (out (B, H, Lq, Dv), weights (B, H, Lq, Lk)), both in the dtype of ``query``; differentiable.
+
+    Raises:
+        TypeError: ``backend`` or ``return_lse`` given; otherwise as :func:`attention`.
+    """
+    for name in ("backend", "return_lse"):
+        if name in kwargs:
+            raise TypeError(f"attention_with_weights runs the reference backend and returns no lse; got {name}=")
+    key_len = key.shape[-2] if isinstance(key, torch.Tensor) and key.dim() == 4 else 0
+    if isinstance(value, torch.Tensor) and value.dim() == 4:
+        eye = torch.eye(key_len, dtype=value.dtype, device=value.device).expand(*value.shape[:2], key_len, key_len)
+        value = torch.cat([value, eye], dim=-1)  # (B, H, Lk, Dv + Lk): the identity columns carry the weights
+    both = attention(query, key, value, backend="reference", **kwargs)
+    split = both.shape[-1] - key_len
+    return both[..., :split], both[..., split:]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import copy
 import functools
 import inspect
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 from .. import functional
 from ..backends import BACKENDS
 from ..biases.t5 import T5Bias
-from ..functional import attention
+from ..functional import attention, attention_with_weights
 from .loading import self_attention_modules, t5_biases_from_model
 from .masks import relbias_mask_from_hf
 
@@ -158,7 +157,7 @@ def relbias_t5_attention(
     scaling: float | None = None,
     position_bias: T5PositionBias | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The attention function registered as ``"relbias_t5"``: T5 self-attention through :func:`relbias.attention`.
 
     Called by transformers' T5 attention layers of a patched model; not meant to be selected with
@@ -173,7 +172,9 @@ def relbias_t5_attention(
         position_bias: the :class:`T5PositionBias` made by the patched ``compute_bias``.
 
     Returns:
-        (output (B, Lq, H, D) contiguous, None): no attention weights are formed.
+        (output (B, Lq, H, D) contiguous, weights): weights None, or (B, H, Lq, Lk) attention probabilities when
+        transformers passes ``output_attentions=True`` (materialised by :func:`relbias.attention_with_weights`:
+        O(B·H·Lq·Lk) memory; the fast backends run otherwise).
 
     Raises:
         TypeError: ``position_bias`` is not a :class:`T5PositionBias` (the layer is not patched by :func:`patch_t5`),
@@ -199,16 +200,17 @@ def relbias_t5_attention(
             f"the position bias was made for query_len={position_bias.query_len}, key_len={position_bias.key_len} "
             f"but this layer has {query.shape[2]}, {key.shape[2]}"
         )
-    if kwargs.get("output_attentions"):
-        warnings.warn("a relbias-patched T5 model does not return attention weights", stacklevel=2)
     mask, is_causal = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
+    call = dict(
+        bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
+        query_start=position_bias.query_start, key_start=0,
+    )
+    if kwargs.get("output_attentions"):  # asked for: materialised (O(B·H·Lq·Lk)), as transformers' eager path
+        out, weights = attention_with_weights(query, key, value, **call)  # (B, H, Lq, D), (B, H, Lq, Lk)
+        return out.transpose(1, 2).contiguous(), weights
     # No backend given: relbias.attention's own default ("auto" where relbias has the dispatcher).
     backend = {} if position_bias.backend is None else {"backend": position_bias.backend}
-    out = attention(
-        query, key, value,
-        bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
-        query_start=position_bias.query_start, key_start=0, **backend,
-    )  # (B, H, Lq, D)
+    out = attention(query, key, value, **call, **backend)  # (B, H, Lq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
 
 
@@ -246,7 +248,8 @@ def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     encoder, the decoder with and without a cache, generation, padding masks and batches; cross-attention is left
     as it is. Score convention "t5": ``(q . k) + u_{b(i-j)} + Mask``, no scaling (Raffel et al. 2020, §2.1).
     Differences: a query with no visible key (a padded position under left padding) returns zeros where
-    transformers returns the mean of the values; attention weights are not returned (``output_attentions``);
+    transformers returns the mean of the values; with ``output_attentions=True`` (attention implementation
+    "eager", as transformers requires) self-attention weights are returned, materialised (O(B·H·L²) memory);
     attention dropout is not supported (training mode with ``dropout_rate > 0`` raises at the forward).
 
     Args:

@@ -7,7 +7,7 @@ from torch import nn
 
 from ..backends import BACKENDS
 from ..biases.base import CONVENTIONS, RelativeBias
-from ..functional import attention
+from ..functional import attention, attention_with_weights
 from .cache import KVCache, StaticKVCache, _check_query_position
 
 __all__ = ["MultiheadAttention"]
@@ -267,10 +267,7 @@ class MultiheadAttention(nn.Module):
         )
         weights = None
         if need_weights:
-            s_len = k.shape[2]
-            eye = torch.eye(s_len, dtype=v.dtype, device=v.device).expand(*v.shape[:2], s_len, s_len)
-            both = attention(q, k, torch.cat([v, eye], dim=-1), backend="reference", **call)  # (B, H, Lq, D + S)
-            out, weights = both[..., : self.head_dim], both[..., self.head_dim :]
+            out, weights = attention_with_weights(q, k, v, **call)  # (B, H, Lq, D), (B, H, Lq, S)
             if average_attn_weights:
                 weights = weights.mean(dim=1)
             if not batched:
