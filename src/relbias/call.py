@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _attention_inputs
+from ._dropout import Dropout
 from .biases.base import RelativeBias
 from .positions import Alignment
 
@@ -41,6 +42,8 @@ class AttentionCall:
         alignment: lengths and absolute positions (tokens) of the query and key blocks.
         return_lse: whether the caller reads the log-sum-exp; a backend may return None for it when
             False and computing it would cost extra.
+        dropout: None, or the call's attention dropout (:class:`relbias._dropout.Dropout`: drop
+            probability and the seed of its counter-based mask).
     """
 
     query: torch.Tensor
@@ -53,6 +56,7 @@ class AttentionCall:
     scale: float
     alignment: Alignment
     return_lse: bool = False
+    dropout: Dropout | None = None
 
     @property
     def bias_scale(self) -> float:
@@ -122,6 +126,8 @@ def make_call(
     query_start: int | None = None,
     key_start: int = 0,
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> AttentionCall:
     """Validate the arguments of :func:`relbias.attention` and build its :class:`AttentionCall`.
 
@@ -136,6 +142,7 @@ def make_call(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    dropout = _dropout(dropout_p, generator)
     alignment = _attention_inputs.check_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
     )
@@ -147,4 +154,18 @@ def make_call(
             warnings.warn(note, UserWarning, stacklevel=3)
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    return AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse)
+    if dropout is not None:
+        dropout = Dropout(dropout.p, dropout.seed, alignment.query_start, alignment.key_start)
+    return AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse, dropout)
+
+
+def _dropout(dropout_p: object, generator: object) -> Dropout | None:
+    """Validate ``dropout_p`` / ``generator`` and draw the call's 31-bit mask seed (None when p is 0)."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if dropout_p == 0:
+        return None
+    seed = int(torch.randint(0, 2**31 - 1, (), generator=generator, device="cpu"))  # host-side, one draw per call
+    return Dropout(float(dropout_p), seed, 0, 0)

@@ -25,6 +25,8 @@ def attention(
     key_start: int = 0,
     backend: str = "auto",
     return_lse: bool = False,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
@@ -67,6 +69,14 @@ def attention(
             "structured": far-constant biases (T5, clipped per-offset) with no mask or a key padding mask,
             fused bias-free far parts plus a tiled band (CPU); "flex": FlexAttention, compiled.
         return_lse: also return the log-sum-exp of each query's scores (default False).
+        dropout_p: probability of dropping each attention probability (default 0.0: no dropout, and the call
+            is exactly the undropped one), as SDPA's ``dropout_p``; kept probabilities are scaled by
+            ``1 / (1 - dropout_p)``. The mask is counter-based, a hash of (seed, batch, head, query position,
+            key position), so a backward pass regenerates it and every tiling drops the same entries; the
+            reference and blockwise backends run it (structured and flex refuse it). Applied whatever the
+            module's training mode: pass 0 for evaluation.
+        generator: the torch.Generator from which the call's mask seed is drawn (default: torch's global RNG,
+            so ``torch.manual_seed`` reproduces the mask).
 
     Returns:
         out (B, H, Lq, Dv) in the dtype of ``query``; with ``return_lse=True`` the pair ``(out, lse)``,
@@ -81,11 +91,11 @@ def attention(
 
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,
-            a non-float bias tensor, non-int positions, a non-bool ``return_lse``.
+            a non-float bias tensor, non-int positions, a non-bool ``return_lse``, a ``generator`` that is not a torch.Generator.
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
             nor H; a non-finite bias tensor; a float mask with NaN or +inf; a non-positive scale, or a
-            scale other than 1 with "t5"; an unknown convention or backend;  a named backend that cannot
+            scale other than 1 with "t5"; an unknown convention or backend; ``dropout_p`` outside [0, 1);  a named backend that cannot
             run the call (the message says why); arguments on different
             devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;
             offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off).
@@ -99,7 +109,7 @@ def attention(
     """
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-        query_start=query_start, key_start=key_start, return_lse=return_lse,
+        query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=generator,
     )
     chosen, _ = resolve_backend(backend, call)
     out, lse = chosen.forward(call)

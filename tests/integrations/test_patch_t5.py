@@ -229,14 +229,6 @@ def test_errors(hf, monkeypatch):
         q = torch.zeros(1, 4, 3, 8)
         integration.relbias_t5_attention(model.encoder.block[0].layer[0].SelfAttention, q, q, q, None,
                                          position_bias=torch.zeros(1, 4, 3, 3))
-    model.train()
-    model.config.dropout_rate = 0.1
-    for layer in model.modules():
-        if hasattr(layer, "dropout") and isinstance(layer.dropout, float):
-            layer.dropout = 0.1
-    input_ids, _ = hf.batch(length=8)
-    with pytest.raises(NotImplementedError, match="dropout"):
-        model(input_ids, decoder_input_ids=input_ids)
 
 
 def test_unsupported_transformers_version(hf, monkeypatch):

@@ -26,6 +26,8 @@ def interior_blocks(problem) -> tuple[int, int, int]:
     mask = problem.mask
     if mask is not None and (mask.dtype != torch.bool or mask.shape[-2] != 1):
         return 0, 0, 0
+    if getattr(problem, "dropout", None) is not None:  # the generic tile loop applies dropout
+        return 0, 0, 0
     if problem.band_min_offset is None or problem.band_max_offset is None:
         return 0, 0, 0
     if problem.source is not None and not getattr(problem.source, "translation_invariant", False):

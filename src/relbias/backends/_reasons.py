@@ -6,7 +6,7 @@ import torch
 
 from ..call import AttentionCall
 
-__all__ = ["empty_axis_reasons", "non_finite_reasons", "tensor_bias_reasons"]
+__all__ = ["dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "tensor_bias_reasons"]
 
 
 def tensor_bias_reasons(call: AttentionCall) -> list[str]:
@@ -38,4 +38,14 @@ def non_finite_reasons(call: AttentionCall, kernel: str) -> list[str]:
     return [
         f"a key or value holds NaN/inf, which {kernel} spreads to queries that cannot see it (0 * inf); "
         f"blockwise confines it to the queries that see it"
+    ]
+
+
+def dropout_reasons(call: AttentionCall, kernel: str) -> list[str]:
+    """Attention dropout, whose counter-based mask ``kernel`` (a name) cannot apply."""
+    if call.dropout is None:
+        return []
+    return [
+        f"attention dropout (dropout_p={call.dropout.p}) needs relbias' counter-based mask, which {kernel} does not "
+        f"draw; reference and blockwise apply it"
     ]

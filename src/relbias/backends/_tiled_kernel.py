@@ -41,6 +41,8 @@ class TileProblem:
             backend's band); None = unbounded.
         block_q, block_k: tile sizes.
         compute: float32, or float64 for float64 inputs.
+        dropout: None or a :class:`relbias._dropout.Dropout` (the generic tile loop applies it; the batched
+            band path does not, so band problems never carry one).
     """
 
     query: torch.Tensor
@@ -57,6 +59,7 @@ class TileProblem:
     block_k: int = 1024
     compute: torch.dtype = torch.float32
     careful: bool = False  # keys/values hold NaN/inf: confine them to the queries that see them
+    dropout: object | None = None  # relbias._dropout.Dropout: probabilities times its counter-based mask
     _cache: dict = field(default_factory=dict, repr=False)
     _skip: tuple[int, int] = (0, 0)  # query blocks done by the batched interior path
 
@@ -117,6 +120,11 @@ class TileProblem:
                 self._cache.clear()
             self._cache[key] = tile
         return tile
+
+    def dropout_tile(self, t0: int, t1: int, s0: int, s1: int) -> torch.Tensor:
+        """(B, H, Tq, Tk) dropout factors (0 or 1 / (1 - p)) of the tile, regenerated from the counter-based mask."""
+        b, h = self.query.shape[:2]
+        return self.dropout.scale_tile(b, h, t0, t1, s0, s1, self.query.device, self.compute)
 
     def clear_cache(self) -> None:
         """Drop the cached tiles (called at the end of each pass, so nothing of them is kept for backward)."""
@@ -182,7 +190,8 @@ def tiled_forward(problem: TileProblem) -> tuple[torch.Tensor, torch.Tensor]:
             m_new = s.amax(dim=-1) if m is None else torch.maximum(m, s.amax(dim=-1))
             m_safe = m_new.masked_fill(m_new == _NEG_INF, 0.0)  # rows with nothing visible yet
             p = torch.exp(s.sub_(m_safe[..., None]))
-            pv = visible_matmul(p, s, v) if problem.careful else torch.matmul(p, v)
+            kept = p if problem.dropout is None else p * problem.dropout_tile(t0, t1, s0, s1)
+            pv = visible_matmul(kept, s, v) if problem.careful else torch.matmul(kept, v)
             if m is None:
                 denom, acc = p.sum(dim=-1), pv
             else:
@@ -230,8 +239,14 @@ def tiled_backward(
             k, v = k_all[:, :, s0:s1].to(c), v_all[:, :, s0:s1].to(c)
             s = problem.scores(q, t0, t1, s0, s1)
             p = torch.exp(s - row_lse)  # (B, H, Tq, Tk)
-            dv[:, :, s0:s1] += torch.matmul(p.transpose(-2, -1), do)
-            ds = p * (torch.matmul(do, v.transpose(-2, -1)) - row_d)
+            dp = torch.matmul(do, v.transpose(-2, -1))  # dO_i . v_j
+            if problem.dropout is None:
+                dv[:, :, s0:s1] += torch.matmul(p.transpose(-2, -1), do)
+            else:  # out_i = sum_j p_ij z_ij v_j: dv_j = sum_i p_ij z_ij dO_i, dP_ij = z_ij dO_i . v_j
+                z = problem.dropout_tile(t0, t1, s0, s1)
+                dv[:, :, s0:s1] += torch.matmul((p * z).transpose(-2, -1), do)
+                dp = dp * z
+            ds = p * (dp - row_d)
             if problem.careful:
                 ds = ds.masked_fill(s == _NEG_INF, 0.0)
             if problem.source is not None:

@@ -146,6 +146,6 @@ def blockwise_attention(
     problem = TileProblem(
         query, key, value, call.scale, source, call.mask, call.is_causal, call.delta,
         block_q=block_q or (CAREFUL_BLOCK if careful else BLOCK_Q), block_k=block_k or (CAREFUL_BLOCK if careful else BLOCK_K),
-        compute=compute, careful=careful,
+        compute=compute, careful=careful, dropout=call.dropout,
     )
     return _BlockwiseFunction.apply(query, key, value, problem, kind, *inputs)

@@ -37,7 +37,7 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from . import _flex_blocks
 from .base import Backend
-from ._reasons import empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
 
 __all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
 
@@ -260,7 +260,7 @@ class FlexBackend(Backend):
     summary = "FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = tensor_bias_reasons(call)
+        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "FlexAttention")
         bias = call.bias
         if isinstance(bias, RelativeBias) and not bias.offset_only:
             reasons.append(f"{type(bias).__name__} reads absolute positions; the flex backend looks up a per-offset vector")

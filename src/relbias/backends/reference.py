@@ -51,7 +51,8 @@ def reference_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
 
     Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> out (B, H, Lq, Dv) in the
     dtype of ``query`` and lse (B, H, Lq) in float32 (float64 for float64 inputs), ``-inf`` for a query
-    with no visible key. See :func:`relbias.attention` for the formula of each convention.
+    with no visible key. See :func:`relbias.attention` for the formula of each convention; with
+    ``call.dropout`` the probabilities are multiplied by its mask (the lse is the undropped one).
     """
     query, key, value, bias, mask = call.query, call.key, call.value, call.bias, call.mask
     alignment, scale, convention = call.alignment, call.scale, call.convention
@@ -89,6 +90,9 @@ def reference_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
     scores = scores.masked_fill(~has_key, 0.0)
     lse = torch.logsumexp(scores, dim=-1).masked_fill(~has_key[..., 0], float("-inf"))  # (B, H, Lq)
     probs = torch.softmax(scores, dim=-1).masked_fill(~has_key, 0.0)  # (B, H, Lq, Lk)
+    if call.dropout is not None:  # dropout on the probabilities, after the lse (Vaswani et al. 2017, §5.4)
+        b, h, lq, _ = query.shape
+        probs = probs * call.dropout.scale_tile(b, h, 0, lq, 0, alignment.key_len, query.device, compute)
     if v.device.type == "meta" or bool(torch.isfinite(v).all()):  # meta tensors hold no values to check
         return (probs @ v).to(query.dtype), lse  # (B, H, Lq, Dv)
     # NaN/inf values must reach only the queries that see them, not others through 0 * NaN: sum the

@@ -39,7 +39,7 @@ from ._bias_tiles import NativeSource
 from ._cpu_flash import fused_available, fused_backward, fused_forward
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
 from .base import Backend
-from ._reasons import empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
 from .blockwise import compute_dtype
 
 __all__ = ["BLOCK_Q", "StructuredBackend", "far_distance", "far_parts", "structured_attention"]
@@ -283,7 +283,7 @@ class StructuredBackend(Backend):
     summary = "far-constant bias: fused bias-free far parts (CPU flash kernel) plus a tiled band, merged by log-sum-exp; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = tensor_bias_reasons(call)
+        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "the fused far parts")
         bias = call.bias
         if bias is None:
             reasons.append("there is no bias; bias-free attention needs no band (use blockwise or SDPA)")

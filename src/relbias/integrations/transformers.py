@@ -167,7 +167,9 @@ def relbias_t5_attention(
         module: the T5 attention layer (``is_causal`` tells decoder self-attention).
         query: (B, H, Lq, D); key: (B, H, Lk, D); value: (B, H, Lk, D), the layer's projections (cache included).
         attention_mask: the stack's 4D mask (bool or additive float) or None.
-        dropout: attention-probability dropout; must be 0 or the module in eval mode.
+        dropout: attention-probability dropout, applied in training mode (relbias' counter-based mask: the
+            reference and blockwise backends run such calls; the seed comes from torch's global RNG, which
+            gradient checkpointing restores for its recomputation).
         scaling: must be 1.0 or None (T5 does not scale scores).
         position_bias: the :class:`T5PositionBias` made by the patched ``compute_bias``.
 
@@ -180,18 +182,12 @@ def relbias_t5_attention(
         TypeError: ``position_bias`` is not a :class:`T5PositionBias` (the layer is not patched by :func:`patch_t5`),
             or a mask relbias cannot read.
         ValueError: lengths that disagree with ``position_bias``, or a scale other than 1.
-        NotImplementedError: attention dropout in training mode.
     """
     if not isinstance(position_bias, T5PositionBias):
         raise TypeError(
             f"the '{ATTN_IMPLEMENTATION}' attention needs the relbias position bias that patch_t5 installs, got "
             f"{type(position_bias).__name__}; use relbias.integrations.transformers.patch_t5(model) rather than "
             f"attn_implementation='{ATTN_IMPLEMENTATION}'"
-        )
-    if module.training and dropout > 0:
-        raise NotImplementedError(
-            f"relbias attention has no attention-probability dropout, but the model is in training mode with "
-            f"dropout_rate={dropout}; call model.eval(), set config.dropout_rate=0, or unpatch_t5(model) to train"
         )
     if scaling not in (None, 1.0):
         raise ValueError(f"T5 attention is unscaled; got scaling={scaling}")
@@ -204,6 +200,7 @@ def relbias_t5_attention(
     call = dict(
         bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
         query_start=position_bias.query_start, key_start=0,
+        dropout_p=float(dropout) if module.training else 0.0,  # transformers passes 0 outside training
     )
     if kwargs.get("output_attentions"):  # asked for: materialised (O(B·H·Lq·Lk)), as transformers' eager path
         out, weights = attention_with_weights(query, key, value, **call)  # (B, H, Lq, D), (B, H, Lq, Lk)
@@ -250,7 +247,8 @@ def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     Differences: a query with no visible key (a padded position under left padding) returns zeros where
     transformers returns the mean of the values; with ``output_attentions=True`` (attention implementation
     "eager", as transformers requires) self-attention weights are returned, materialised (O(B·H·L²) memory);
-    attention dropout is not supported (training mode with ``dropout_rate > 0`` raises at the forward).
+    attention dropout in training mode runs on relbias' counter-based mask (a different random mask than
+    transformers' own, with the same distribution).
 
     Args:
         model: a transformers ``T5Model``, ``T5ForConditionalGeneration``, ``T5EncoderModel`` or the ``MT5...`` /

@@ -1,0 +1,93 @@
+"""Attention dropout with a counter-based mask (issue 15, item 1): dropout_p=0 is bit-identical to no dropout;
+the same seed drops the same entries on the reference and blockwise backends whatever the tiling (outputs and
+all gradients agree); the expected output over many masks is the undropped output; fused backends refuse it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relbias
+
+
+def _inputs(lq=23, lk=31, heads=2):
+    q, k, v = torch.randn(2, heads, lq, 8), torch.randn(2, heads, lk, 8), torch.randn(2, heads, lk, 8)
+    bias = relbias.T5Bias(heads, num_buckets=8, max_distance=16, bidirectional=False, init_std=1.0)
+    return q, k, v, bias
+
+
+def test_dropout_p_zero_is_bit_identical_to_no_dropout():
+    q, k, v, bias = _inputs()
+    for backend in ("reference", "blockwise"):
+        plain = relbias.attention(q, k, v, bias=bias, is_causal=True, backend=backend)
+        zero = relbias.attention(q, k, v, bias=bias, is_causal=True, backend=backend, dropout_p=0.0)
+        assert torch.equal(plain, zero)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_reference_and_blockwise_drop_the_same_entries_outputs_and_gradients(is_causal, small_tiles):
+    q, k, v, bias = _inputs()
+    bias = relbias.T5Bias(2, num_buckets=8, max_distance=16, bidirectional=not is_causal, init_std=1.0)
+    mask = torch.ones(2, 1, 1, 31, dtype=torch.bool)
+    mask[1, ..., 25:] = False
+    results = []
+    for backend in ("reference", "blockwise"):  # blockwise runs 8x8 tiles here (small_tiles)
+        q_, k_, v_ = (t.clone().requires_grad_() for t in (q, k, v))
+        bias.zero_grad()
+        out, lse = relbias.attention(q_, k_, v_, bias=bias, mask=mask, is_causal=is_causal, backend=backend,
+                                     dropout_p=0.3, generator=torch.Generator().manual_seed(7), return_lse=True)
+        ((out * torch.linspace(-1, 1, 8)).sum() + lse.sum()).backward()
+        results.append([out, lse, q_.grad, k_.grad, v_.grad, bias.weight.grad.clone()])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    undropped = relbias.attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal)
+    assert not torch.allclose(results[0][0], undropped, atol=1e-3)  # the mask did drop something
+
+
+def test_same_generator_seed_same_mask_other_seed_other_mask():
+    q, k, v, bias = _inputs()
+    run = lambda seed: relbias.attention(q, k, v, bias=bias, is_causal=True, dropout_p=0.5,  # noqa: E731
+                                         generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(run(1), run(1)) and not torch.equal(run(1), run(2))
+    torch.manual_seed(3)
+    a = relbias.attention(q, k, v, bias=bias, is_causal=True, dropout_p=0.5)
+    torch.manual_seed(3)
+    assert torch.equal(a, relbias.attention(q, k, v, bias=bias, is_causal=True, dropout_p=0.5))  # global RNG
+
+
+def test_expected_output_is_the_undropped_output():
+    """Inverted dropout is unbiased: the mean of 2000 dropped outputs (p = 0.2) is within 5 standard errors of
+    the undropped output, entry by entry (the standard error is estimated from the same samples)."""
+    q, k, v, bias = _inputs(lq=6, lk=9, heads=1)
+    generator = torch.Generator().manual_seed(0)
+    samples = torch.stack([
+        relbias.attention(q, k, v, bias=bias, is_causal=True, dropout_p=0.2, generator=generator, backend="reference")
+        for _ in range(2000)
+    ])
+    want = relbias.attention(q, k, v, bias=bias, is_causal=True)
+    stderr = samples.std(dim=0) / 2000**0.5
+    assert bool(((samples.mean(dim=0) - want).abs() <= 5 * stderr + 1e-6).all())
+
+
+def test_fused_backends_refuse_dropout_and_auto_takes_blockwise(monkeypatch):
+    monkeypatch.setattr("relbias.dispatch.AUTO_REFERENCE_MAX_SCORES", 0)
+    q, k, v, _ = _inputs(lq=40, lk=40)
+    bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
+    for name in ("structured", "flex"):
+        with pytest.raises(ValueError, match=rf"backend '{name}' cannot run this call: .*attention dropout \(dropout_p=0.1\)"):
+            relbias.attention(q, k, v, bias=bias, backend=name, dropout_p=0.1)
+    assert relbias.explain_backend(q, k, v, bias=bias)[0] == "structured"
+    with torch.no_grad():
+        got = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
+        want = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0),
+                                 backend="blockwise")
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.0, float("nan"), True, "0.1"])
+def test_bad_dropout_p_is_refused(value):
+    q = torch.randn(1, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        relbias.attention(q, q, q, dropout_p=value)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        relbias.attention(q, q, q, dropout_p=0.1, generator=0)
