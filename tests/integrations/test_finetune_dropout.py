@@ -25,7 +25,7 @@ def _train_steps(model, input_ids, attention_mask, labels, steps, seed):
         if grads is None:
             grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses, grads
 
 
@@ -38,7 +38,8 @@ def test_patched_fine_tuning_with_dropout(hf, checkpointing):
     for backend in ("reference", "blockwise"):
         model = patch_t5(copy.deepcopy(base), backend=backend).train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+            enable()
         runs[backend] = _train_steps(model, input_ids, attention_mask, labels, steps=4, seed=11)
     (losses, grads), (other_losses, other_grads) = runs["reference"], runs["blockwise"]
     assert all(torch.isfinite(torch.tensor(losses)))
