@@ -1,0 +1,237 @@
+"""Benchmark: context-parallel attention (relbias.distributed) for P = 1, 2, 4 ranks and long sequences.
+
+What it measures, per (P, L): one self-attention call ``context_parallel_attention`` on (B, H, L/P, D) shards with
+a T5 bias (32 buckets, max_distance 128), forward plus backward (gradients of q, k, v and the bias table):
+
+* per-rank peak memory: CPU (gloo): the rank process's peak resident set during the timed steps above its
+  resident set before them (``VmHWM`` after ``echo 5 > /proc/self/clear_refs``), MiB; CUDA (nccl):
+  ``torch.cuda.max_memory_allocated`` above the allocation before, MiB. The largest over ranks is reported.
+* time: wall-clock time of one forward+backward (median of ``--repeats`` after one warm-up), ms, the slowest
+  rank; and the process CPU time of each rank summed over ranks (the "compute summed over ranks" figure; on a
+  machine with fewer cores than ranks, wall time mostly measures the oversubscription).
+* the fraction of ring blocks (forward, summed over ranks) that ran bias-free (far beyond T5's last bucket).
+
+Ratios against P = 1 measured in the same run are printed, and the 1-minute load average before and after.
+
+Usage::
+
+    python benchmarks/bench_context_parallel.py                          # P = 1 2 4, L = 8192 16384 32768
+    python benchmarks/bench_context_parallel.py --world-sizes 1 2 --lengths 1024 --repeats 1   # smoke run
+    # several machines (one process per GPU, NCCL), one P per launch, printed by rank 0:
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 benchmarks/bench_context_parallel.py \\
+        --torchrun --backend nccl --lengths 32768
+
+In the default (spawn) mode every (P, L) runs in P fresh processes of this script (``--child``) that meet through
+a ``file://`` rendezvous in a temporary folder (gloo on CPU; loopback only).
+
+Targets (issue 13): per-rank peak memory <= 1.2/P of the P = 1 figure plus a constant; with T5 at P = 4,
+L = 16384, the compute time summed over ranks within 1.3x of the P = 1 time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+MIB = 1024 * 1024
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", handle.read(), re.M).group(1))
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure_rank(spec: dict) -> dict:
+    """One rank of one (P, L) configuration, inside an initialised process group: its figures."""
+    import torch
+    import torch.distributed as dist
+
+    import relbias
+    from relbias.distributed import RingStats, context_parallel_attention
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(f"cuda:{torch.cuda.current_device()}") if spec["backend"] == "nccl" else torch.device("cpu")
+    b, h, d, length = spec["batch"], spec["heads"], spec["head_dim"], spec["length"]
+    gen = torch.Generator().manual_seed(0)
+    bias = relbias.T5Bias(h, bidirectional=not spec["causal"]).to(device)
+    local = length // world
+
+    def make():  # this rank's shard only (random: the figures do not depend on the values)
+        full_rows = torch.randn(b, h, local, d, generator=gen)
+        return full_rows.to(device).requires_grad_(True)
+
+    q, k, v = make(), make(), make()
+    grad = torch.randn(b, h, local, d, generator=gen).to(device)
+    stats = RingStats()
+
+    def step(count: bool) -> None:
+        for t in (q, k, v, *bias.parameters()):
+            t.grad = None
+        out = context_parallel_attention(
+            q, k, v, bias=bias, is_causal=spec["causal"], layout=spec["layout"], strategy=spec["strategy"],
+            stats=stats if count else None,
+        )
+        out.backward(grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    dist.barrier()
+    step(True)  # warm-up; counts the blocks of one call
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        peak_ok = _reset_peak()
+        before = _status_kib("VmRSS") * 1024
+    walls, cpus = [], []
+    for _ in range(spec["repeats"]):
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        step(False)
+        walls.append((time.perf_counter() - w0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - before
+    else:
+        peak = _status_kib("VmHWM") * 1024 - before if peak_ok else float("nan")
+    return {
+        "rank": rank, "peak_mib": peak / MIB, "wall_ms": statistics.median(walls), "cpu_ms": statistics.median(cpus),
+        "blocks": stats.blocks, "skipped": stats.skipped, "bias_free": stats.bias_free,
+    }
+
+
+def _child(argv: list[str]) -> None:
+    """``--child RANK WORLD INIT_FILE OUT SPEC_JSON``: one spawned rank."""
+    rank, world, init_file, out, spec = int(argv[0]), int(argv[1]), argv[2], argv[3], json.loads(argv[4])
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    try:
+        result = measure_rank(spec)
+        with open(out, "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(world: int, spec: dict) -> list[dict]:
+    """Run one configuration in ``world`` fresh processes; their results, rank order."""
+    with tempfile.TemporaryDirectory() as folder:
+        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), GLOO_SOCKET_IFNAME="lo")
+        outs = [os.path.join(folder, f"rank{r}.json") for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(r), str(world), os.path.join(folder, "rdzv"),
+                                   outs[r], json.dumps(spec)], env=env) for r in range(world)]
+        try:
+            for p in procs:
+                p.wait(timeout=spec["timeout_s"] * 4)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a rank failed at P={world}, L={spec['length']} (return codes {[p.returncode for p in procs]})")
+        return [json.load(open(o)) for o in outs]
+
+
+def summarise(world: int, length: int, ranks: list[dict]) -> dict:
+    ran = sum(r["blocks"] - r["skipped"] for r in ranks)
+    return {
+        "P": world, "L": length, "peak_mib": max(r["peak_mib"] for r in ranks),
+        "wall_ms": max(r["wall_ms"] for r in ranks), "cpu_sum_ms": sum(r["cpu_ms"] for r in ranks),
+        "bias_free": sum(r["bias_free"] for r in ranks) / ran if ran else None,  # None: no ring blocks (ulysses)
+    }
+
+
+def print_table(rows: list[dict]) -> None:
+    base = {r["L"]: r for r in rows if r["P"] == 1}
+    print(f"{'P':>2} {'L':>6} {'peak MiB/rank':>14} {'x P=1':>6} {'fwd+bwd ms':>11} {'x P=1':>6} "
+          f"{'CPU ms (sum)':>13} {'x P=1':>6} {'bias-free':>9}")
+    for r in rows:
+        b = base.get(r["L"])
+
+        def ratio(key):
+            return f"{r[key] / b[key]:6.2f}" if b and b[key] else f"{'-':>6}"
+
+        free = "-" if r["bias_free"] is None else f"{r['bias_free']:.1%}"
+        print(f"{r['P']:>2} {r['L']:>6} {r['peak_mib']:>14.1f} {ratio('peak_mib')} {r['wall_ms']:>11.1f} "
+              f"{ratio('wall_ms')} {r['cpu_sum_ms']:>13.1f} {ratio('cpu_sum_ms')} {free:>9}")
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--bidirectional", action="store_true", help="bidirectional T5 encoder attention (default causal)")
+    parser.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
+    parser.add_argument("--strategy", default="ring", choices=["ring", "ulysses"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    parser.add_argument("--timeout-s", type=int, default=1800, help="collective timeout per rank, seconds")
+    parser.add_argument("--torchrun", action="store_true", help="run under torchrun (env:// rendezvous), one P")
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="with --torchrun")
+    args = parser.parse_args()
+    spec = {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": not args.bidirectional,
+            "layout": args.layout, "strategy": args.strategy, "repeats": args.repeats, "threads": args.threads,
+            "timeout_s": args.timeout_s, "backend": args.backend}
+    load_before = os.getloadavg()
+    print(f"context-parallel attention, T5 {'causal' if spec['causal'] else 'bidirectional'}, B={args.batch} "
+          f"H={args.heads} D={args.head_dim}, layout {args.layout}, strategy {args.strategy}, forward+backward, "
+          f"{os.cpu_count()} CPUs; load average {load_before[0]:.2f} (1 min)")
+    if args.torchrun:
+        import torch
+        import torch.distributed as dist
+
+        if args.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.set_num_threads(args.threads)
+        dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout_s))
+        try:
+            rows = []
+            for length in args.lengths:
+                mine = measure_rank({**spec, "length": length})
+                ranks = [None] * dist.get_world_size()
+                dist.all_gather_object(ranks, mine)
+                rows.append(summarise(dist.get_world_size(), length, ranks))
+            if dist.get_rank() == 0:
+                print_table(rows)
+        finally:
+            dist.destroy_process_group()
+    else:
+        rows = []
+        for length in args.lengths:
+            for world in args.world_sizes:
+                rows.append(summarise(world, length, run_spawned(world, {**spec, "length": length})))
+        print_table(rows)
+    print(f"load average {os.getloadavg()[0]:.2f} after (1 min){'; ranks exceed the CPUs, so wall times include waiting' if max(args.world_sizes) * args.threads > (os.cpu_count() or 1) and not args.torchrun else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Context-parallel attention over torch.distributed: a sequence sharded along its length across ranks, with
+exact relative offsets across shards (ring and all-to-all strategies). Shards carry global positions; blocks
+merge by log-sum-exp. Public names only."""
+
+from .api import context_parallel_attention
+from .heads import HeadSliceBias, slice_heads
+from .layout import LAYOUTS, shard, shard_pieces, shard_positions, unshard
+from .merge import merge_partials, part_gradients
+from .plan import RingStats, block_kind
+from .validate import STRATEGIES
+
+__all__ = [
+    "LAYOUTS",
+    "STRATEGIES",
+    "HeadSliceBias",
+    "RingStats",
+    "block_kind",
+    "context_parallel_attention",
+    "merge_partials",
+    "part_gradients",
+    "shard",
+    "shard_pieces",
+    "shard_positions",
+    "slice_heads",
+    "unshard",
+]

@@ -1,0 +1,110 @@
+"""``context_parallel_attention``: attention over a sequence sharded along its length across processes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..biases.base import RelativeBias
+from .plan import RingStats
+from .ring import ring_attention
+from .ulysses import ulysses_attention
+from .validate import check_context_parallel
+
+__all__ = ["context_parallel_attention"]
+
+
+def context_parallel_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: RelativeBias | None = None,
+    mask: torch.Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    convention: str | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+    strategy: str = "ring",
+    stats: RingStats | None = None,
+) -> torch.Tensor:
+    """Exact self-attention with a relative position bias over a sequence sharded along its length.
+
+    Every rank of ``group`` calls it with its own shard and gets back its own output shard; the result equals
+    single-device :func:`relbias.attention` on the unsharded tensors (same formula, conventions and masking,
+    docs/conventions.md), sharded the same way. Global positions follow from the layout, so every bias family
+    reads exact global offsets ``i - j``.
+
+    Shape legend: B batch, H num_heads, L global sequence length (tokens), P group size, D head_dim,
+    Dv value head_dim.
+
+    Layouts (:mod:`relbias.distributed.layout`; :func:`shard` / :func:`unshard` cut and join full tensors)::
+
+        "contiguous": rank r holds positions [r·L/P, (r+1)·L/P)
+        "zigzag":     2P chunks of L/(2P); rank r holds chunks r and 2P-1-r (balanced causal work)
+                      P = 2, L = 8:  rank 0 -> 0 1 6 7,  rank 1 -> 2 3 4 5
+
+    Strategies:
+
+    * ``"ring"`` (Liu et al. 2023, Ring Attention): keys and values, with their positions and mask shard,
+      rotate around the ring by point-to-point ops overlapped with compute; each (query piece, key piece)
+      block runs ``relbias.attention(..., query_start=, key_start=, return_lse=True)`` and blocks merge by
+      log-sum-exp, ``m = logaddexp(l1, l2)``, ``out = o1·exp(l1 - m) + o2·exp(l2 - m)`` (FlashAttention's
+      split-KV merge). Causal blocks entirely in the future are skipped; with a far-constant bias (T5,
+      ``PerOffsetBias(out_of_range="clip")``: ``bias.far_constant_distance()`` = T), a block whose offsets
+      all satisfy ``|i - j| >= T`` runs bias-free attention and adds the per-head constant
+      ``bias_scale · PE_h(±T)`` to its log-sum-exp. Backward recomputes each block and sends dK and dV around
+      the ring to the ranks owning those keys. Any head count; memory O(L/P · D) per rank and head.
+    * ``"ulysses"`` (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence shards to head shards
+      (H/P heads each over the whole sequence), single-device ``relbias.attention`` with the bias sliced to the
+      rank's heads, all-to-all back. Needs ``H % P == 0``.
+
+    Args:
+        query: (B, H, L/P, D) this rank's shard, float16/bfloat16/float32/float64.
+        key: (B, H, L/P, D), the same positions as ``query``; same dtype and device.
+        value: (B, H, L/P, Dv), same positions, dtype and device.
+        bias: None or a :class:`relbias.RelativeBias` module (num_heads 1 or H), the same on every rank
+            (e.g. a replicated model's); its parameters' gradients are summed over the group.
+        mask: None or this rank's shard of a bool key padding mask (B or 1, H or 1, 1, L/P), True = may
+            attend, sharded like the keys (``shard(full_mask, P, r, layout=..., dim=-1)``).
+        is_causal: hide keys with offset ``i - j < 0`` (global positions). Default False.
+        scale: multiplier of ``q . k``; default ``1 / sqrt(D)`` for "seed" and "additive", 1 for "t5".
+        convention: "seed", "additive" or "t5"; default the bias's own ("seed" without a bias).
+        group: the process group whose ranks hold the shards, in rank order; default the default group.
+        layout: "contiguous" (default) or "zigzag".
+        strategy: "ring" (default) or "ulysses".
+        stats: a :class:`relbias.distributed.RingStats` to which the ring adds the counts of its forward
+            blocks (skipped, bias-free, biased); ignored by "ulysses". Default None.
+
+    Returns:
+        (B, H, L/P, Dv) this rank's output shard, in the dtype of ``query``; differentiable in query, key,
+        value and the bias parameters. Softmax and merges accumulate in float32 (float64 for float64 inputs).
+        A query with no visible key gets zeros. Every rank must run backward when one does (backward
+        communicates).
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        TypeError: as :func:`relbias.attention`; a bias that is not a RelativeBias module (tensor biases have
+            no global positions); a mask that is not bool; a non-bool ``is_causal``.
+        ValueError: an unknown ``layout`` or ``strategy``; local query and key lengths that differ; an odd local
+            length with "zigzag" (L not divisible by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped
+            (B or 1, H or 1, 1, L/P); a causal-only bias without ``is_causal``; a bias that cannot evaluate the
+            sequence's offsets (per-offset table shorter than L, ``out_of_range="error"``); the errors of
+            :func:`relbias.attention`. Every rank raises alike, before any communication (shapes and settings
+            must be equal on every rank).
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        dist.init_process_group("gloo")
+        r, p = dist.get_rank(), dist.get_world_size()
+        q = shard(full_q, p, r, layout="zigzag")          # (B, H, L/P, D), likewise k, v
+        out = context_parallel_attention(q, k, v, bias=t5_bias, is_causal=True, layout="zigzag")
+    """
+    call = check_context_parallel(
+        query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
+        group=group, layout=layout, strategy=strategy,
+    )
+    if call.strategy == "ring":
+        return ring_attention(call, query, key, value, stats)
+    return ulysses_attention(call, query, key, value)

@@ -1,0 +1,129 @@
+"""One ring block on one rank: single-device attention of a query piece against a key piece, at their global
+positions, and its share of the backward pass.
+
+A block of kind "bias" runs ``relbias.attention(..., query_start=, key_start=, return_lse=True)`` with the bias;
+a block of kind "past" / "future" (every offset beyond a far-constant bias's distance T, see
+:mod:`relbias.distributed.plan`) runs bias-free fused attention (:mod:`relbias.distributed.fused`) and adds the bias's per-head constant
+``c_h = bias_scale · PE_h(±T)`` to its log-sum-exp: a constant added to every score of a key set is absorbed
+into that set's log-sum-exp and leaves its softmax unchanged (the structured backend's identity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..biases.base import RelativeBias
+from ..functional import attention
+from .fused import bias_free_attention
+from .merge import part_gradients
+
+__all__ = ["BlockSettings", "block_backward", "run_block"]
+
+
+@dataclass(frozen=True)
+class BlockSettings:
+    """The per-call settings every block of a call shares (validated, resolved).
+
+    Attributes:
+        bias: None or a :class:`relbias.RelativeBias` (num_heads 1 or H).
+        is_causal: hide keys with offset ``i - j < 0``.
+        scale: multiplier of ``q . k`` (resolved for the convention).
+        convention: "seed", "additive" or "t5" (resolved).
+        far_distance: T of a far-constant bias, or None.
+    """
+
+    bias: RelativeBias | None
+    is_causal: bool
+    scale: float
+    convention: str
+    far_distance: int | None
+
+    @property
+    def bias_scale(self) -> float:
+        """The factor the convention applies to the bias: ``scale`` for "seed", else 1."""
+        return self.scale if self.convention == "seed" else 1.0
+
+
+def far_constant(settings: BlockSettings, kind: str, device: torch.device) -> torch.Tensor:
+    """(Hb, 1) the constant a "past" (offset T) or "future" (offset -T) block adds to its log-sum-exp, scaled
+    by the convention's bias scale; differentiable in the bias parameters."""
+    offset = settings.far_distance if kind == "past" else -settings.far_distance
+    values = settings.bias.offset_values(torch.tensor([offset], device=device))  # (Hb, 1)
+    return values * settings.bias_scale
+
+
+def run_block(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    query_start: int,
+    key_start: int,
+    kind: str,
+    settings: BlockSettings,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block: ``(out (B, H, lq, Dv) in query's dtype, lse (B, H, lq) float32/float64)``.
+
+    Args:
+        query: (B, H, lq, D) queries at positions ``query_start ...``; key, value: (B, H, lk, D / Dv) at
+            ``key_start ...``; mask: None or a bool key padding mask (B or 1, H or 1, 1, lk).
+        kind: "bias", "past" or "future" (:func:`relbias.distributed.plan.block_kind`; never "skip").
+        settings: :class:`BlockSettings`.
+
+    Differentiable in query, key, value and the bias parameters (``relbias.attention`` with ``return_lse``).
+    """
+    if kind == "bias":
+        return attention(
+            query, key, value, bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
+            convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
+        )
+    # Every key is visible to every query (past: offsets >= T >= 1; future: only without is_causal).
+    out, lse = bias_free_attention(
+        query, key, value, mask, scale=settings.scale, query_start=query_start, key_start=key_start
+    )
+    return out, lse + far_constant(settings, kind, query.device).to(lse.dtype)
+
+
+def block_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    query_start: int,
+    key_start: int,
+    kind: str,
+    settings: BlockSettings,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    params: list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
+    """One block's share of the gradients of a merged result, by recomputing the block with autograd.
+
+    The block's forward is rerun on detached copies of its inputs; the gradients reaching its
+    ``(out_b, lse_b)`` from the merged output are ``w_b dO`` and ``w_b (dO . out_b - dO . out)``,
+    ``w_b = exp(lse_b - lse)`` (:func:`relbias.distributed.merge.part_gradients`), and autograd carries them
+    to the block's inputs.
+
+    Args:
+        query, key, value, mask, query_start, key_start, kind, settings: as :func:`run_block`.
+        grad_out: (B, H, lq, Dv) gradient of the merged output (float32/float64).
+        out: (B, H, lq, Dv) the merged output, lse (B, H, lq) the merged log-sum-exp (same dtype).
+        params: the bias parameters to differentiate (those with ``requires_grad``).
+
+    Returns:
+        (dq (B, H, lq, D), dk (B, H, lk, D), dv (B, H, lk, Dv)) in the dtype of ``grad_out``, and one gradient
+        per parameter (None where the block does not read it).
+    """
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (query, key, value)]
+        part_out, part_lse = run_block(*leaves, mask, query_start, key_start, kind, settings)
+        grad_part_out, grad_part_lse = part_gradients(grad_out, out, lse, part_out.detach(), part_lse.detach())
+        grads = torch.autograd.grad(
+            (part_out, part_lse), leaves + list(params),
+            (grad_part_out.to(part_out.dtype), grad_part_lse.to(part_lse.dtype)), allow_unused=True,
+        )
+    dq, dk, dv = (g.to(grad_out.dtype) if g is not None else torch.zeros_like(t, dtype=grad_out.dtype) for g, t in zip(grads[:3], leaves))
+    return dq, dk, dv, list(grads[3:])

@@ -1,0 +1,87 @@
+"""The torch.distributed operations context-parallel attention uses: ring neighbours exchanging tensors with
+batched point-to-point ops, an equal-split all-to-all, an all-gather, and a sum of gradients over the group.
+
+No transport of our own: everything goes through ``torch.distributed`` (its process groups, ``P2POp`` /
+``batch_isend_irecv``, ``all_to_all_single``, ``all_gather``, ``all_reduce``). Every tensor sent is made
+contiguous; bool tensors travel as uint8.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Pending", "RingChannel", "all_gather_seq", "all_reduce_sum", "all_to_all_dim0"]
+
+
+class Pending:
+    """Tensors in flight: :meth:`wait` finishes the exchange and returns the received tensors."""
+
+    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor], bools: list[bool]) -> None:
+        self._works, self._received, self._sent, self._bools = works, received, sent, bools
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self._works:
+            work.wait()
+        self._sent = []  # send buffers may be freed once the sends completed
+        return [t.bool() if b else t for t, b in zip(self._received, self._bools)]
+
+
+class RingChannel:
+    """This rank's neighbours in a ring over ``group`` (None: the default group): it sends to rank + 1 and
+    receives from rank - 1 (ranks of the group, modulo its size)."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.next = (self.rank + 1) % self.size
+        self.prev = (self.rank - 1) % self.size
+
+    def start(self, tensors: list[torch.Tensor], tag: int) -> Pending:
+        """Send ``tensors`` to the next rank and receive as many (same shapes and dtypes) from the previous one,
+        asynchronously (``torch.distributed.batch_isend_irecv``); tensor n uses tag ``tag + n``.
+
+        Every rank of the group must call it with the same shapes, in the same order.
+        """
+        bools = [t.dtype == torch.bool for t in tensors]
+        sent = [(t.to(torch.uint8) if b else t).contiguous() for t, b in zip(tensors, bools)]
+        received = [torch.empty_like(t) for t in sent]
+        ops = []
+        for n, (s, r) in enumerate(zip(sent, received)):
+            ops.append(dist.P2POp(dist.isend, s, group=self.group, tag=tag + n, group_peer=self.next))
+            ops.append(dist.P2POp(dist.irecv, r, group=self.group, tag=tag + n, group_peer=self.prev))
+        return Pending(dist.batch_isend_irecv(ops), received, sent, bools)
+
+
+def all_to_all_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Equal-split all-to-all along dimension 0: ``tensor`` (P, ...) -> (P, ...), piece i of rank j becomes
+    piece j of rank i (``torch.distributed.all_to_all_single``). Its own inverse."""
+    out = torch.empty_like(tensor.contiguous())
+    dist.all_to_all_single(out, tensor.contiguous(), group=group)
+    return out
+
+
+def all_gather_seq(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: int = -1) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along ``dim`` in rank order (``torch.distributed.all_gather``); bool
+    travels as uint8."""
+    is_bool = tensor.dtype == torch.bool
+    local = (tensor.to(torch.uint8) if is_bool else tensor).contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    full = torch.cat(parts, dim=dim)
+    return full.bool() if is_bool else full
+
+
+def all_reduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """The sum over the group of each tensor (one flattened ``all_reduce``; the same order of additions for a
+    fixed group size, so the result is deterministic)."""
+    if not tensors or dist.get_world_size(group) == 1:
+        return tensors
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    out, at = [], 0
+    for t in tensors:
+        out.append(flat[at : at + t.numel()].view_as(t).to(t.dtype))
+        at += t.numel()
+    return out

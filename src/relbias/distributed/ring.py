@@ -1,0 +1,158 @@
+"""Ring attention: keys and values rotate around the ring; each rank merges its blocks by log-sum-exp.
+
+Forward (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3): at step s = 0 .. P-1, rank r
+holds the key/value shard of rank (r - s) mod P together with its piece starts (global positions) and its
+key padding mask shard; it posts the exchange of that block to rank r + 1 (and the receipt of the next one
+from r - 1), runs its blocks (one per pair of local query piece and travelling key piece, see
+:mod:`relbias.distributed.plan`) while the exchange is in flight, and folds each block's ``(out, lse)`` into
+its running result (:mod:`relbias.distributed.merge`).
+
+Backward (a custom ``torch.autograd.Function``): the same rotation once more; per block, the block's forward
+is recomputed with autograd and its share of the merged result's gradient pushed through it
+(:func:`relbias.distributed.blocks.block_backward`). dq stays; dk and dv of the travelling block are added to
+the accumulators that travel with it, so after P hops they reach the rank that owns those keys (each hop is
+posted after the block's compute and waited for after the next one's). Bias-parameter gradients are partial
+per rank and summed over the group with one ``all_reduce``. Every rank must call backward. Saved for
+backward: the local q, k, v, mask shard, the merged output and lse (O(L/P · D) per rank).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .blocks import block_backward, run_block
+from .comm import RingChannel, all_reduce_sum
+from .layout import shard_pieces
+from .merge import merge_into
+from .plan import RingStats, block_kind
+from .validate import ContextParallelCall
+
+__all__ = ["ring_attention"]
+
+_KV_TAG, _GRAD_TAG = 0, 8  # tags of the block exchange (k, v, starts, mask) and of the dk/dv exchange
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _blocks(call: ContextParallelCall, starts: torch.Tensor):
+    """(local query slice, query start, local key slice, key start, kind) of each block against a travelling
+    shard whose pieces start at ``starts`` (int64, one per piece)."""
+    settings = call.settings
+    queries = shard_pieces(call.seq_len, call.world_size, call.rank, call.layout)
+    piece = call.local_len // len(queries)
+    at = 0
+    for q_start, q_len in queries:
+        q_slice = slice(at, at + q_len)
+        at += q_len
+        for n, k_start in enumerate(starts.tolist()):
+            kind = block_kind(q_start, q_len, k_start, piece, is_causal=settings.is_causal, far_distance=settings.far_distance)
+            yield q_slice, q_start, slice(n * piece, (n + 1) * piece), k_start, kind
+
+
+def _own_block(call: ContextParallelCall, key, value):
+    pieces = shard_pieces(call.seq_len, call.world_size, call.rank, call.layout)
+    starts = torch.tensor([s for s, _ in pieces], dtype=torch.int64, device=key.device)
+    return [key, value, starts] + ([] if call.mask is None else [call.mask])
+
+
+def _mask_slice(mask, keys: slice):
+    return None if mask is None else mask[..., keys]
+
+
+def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats | None):
+    """(out (B, H, L/P, Dv) in the compute dtype, lse (B, H, L/P)) of this rank's queries over the whole ring."""
+    channel = RingChannel(call.group) if call.world_size > 1 else None
+    compute = _compute_dtype(query.dtype)
+    b, h, lq, _ = query.shape
+    out = torch.zeros(b, h, lq, value.shape[-1], dtype=compute, device=query.device)
+    lse = torch.full((b, h, lq), float("-inf"), dtype=compute, device=query.device)
+    block = _own_block(call, key, value)
+    for step in range(call.world_size):
+        pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
+        k, v, starts = block[:3]
+        mask = block[3] if len(block) > 3 else None
+        for qs, q_start, ks, k_start, kind in _blocks(call, starts):
+            if stats is not None:
+                stats.add(kind)
+            if kind == "skip":
+                continue
+            o, l = run_block(query[:, :, qs], k[:, :, ks], v[:, :, ks], _mask_slice(mask, ks), q_start, k_start, kind, call.settings)
+            merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+        if pending is not None:
+            block = pending.wait()
+    return out, lse
+
+
+def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_out, params):
+    """(dq, dk, dv in the compute dtype, bias-parameter gradients summed over the group)."""
+    channel = RingChannel(call.group) if call.world_size > 1 else None
+    compute = out.dtype
+    grad_out = grad_out.to(compute)
+    dq = torch.zeros(query.shape, dtype=compute, device=query.device)
+    dparams = [torch.zeros_like(p) for p in params]
+    block = _own_block(call, key, value)
+    grads_pending = None
+    for step in range(call.world_size):
+        pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
+        k, v, starts = block[:3]
+        mask = block[3] if len(block) > 3 else None
+        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        for qs, q_start, ks, k_start, kind in _blocks(call, starts):
+            if kind == "skip":
+                continue
+            gq, gk, gv, gp = block_backward(
+                query[:, :, qs], k[:, :, ks], v[:, :, ks], _mask_slice(mask, ks), q_start, k_start, kind, call.settings,
+                grad_out[:, :, qs], out[:, :, qs], lse[:, :, qs], params,
+            )
+            dq[:, :, qs] += gq
+            dk[:, :, ks] += gk
+            dv[:, :, ks] += gv
+            for acc, g in zip(dparams, gp):
+                if g is not None:
+                    acc += g
+        if grads_pending is not None:  # what the ranks before this one added for this block
+            dk_in, dv_in = grads_pending.wait()
+            dk, dv = dk_in + dk, dv_in + dv
+        if channel is not None:
+            grads_pending = channel.start([dk, dv], _GRAD_TAG)
+        if pending is not None:
+            block = pending.wait()
+    if grads_pending is not None:  # after P hops: this rank's own keys, with every rank's share
+        dk, dv = grads_pending.wait()
+    return dq, dk, dv, all_reduce_sum(dparams, call.group)
+
+
+class _RingFunction(torch.autograd.Function):
+    """Inputs: query, key, value, the validated call, stats, then the bias parameters that require grad."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, call: ContextParallelCall, stats, *params):
+        out, lse = ring_forward(call, query, key, value, stats)
+        ctx.save_for_backward(query, key, value, out, lse)
+        ctx.params = params  # the module's own parameter objects: the recomputed blocks read these
+        ctx.call = call
+        return out.to(query.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        query, key, value, out, lse = ctx.saved_tensors
+        params = ctx.params
+        dq, dk, dv, dparams = ring_backward(ctx.call, query, key, value, out, lse, grad_out, params)
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, *dparams)
+
+
+def ring_attention(call: ContextParallelCall, query, key, value, stats: RingStats | None = None) -> torch.Tensor:
+    """This rank's output shard (B, H, L/P, Dv) in the dtype of ``query``; differentiable (see the module docstring)."""
+    bias = call.settings.bias
+    params = [] if bias is None else [p for p in bias.parameters() if p.requires_grad]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in [query, key, value, *params])
+    if not needs_grad:
+        with torch.no_grad():
+            out, _ = ring_forward(call, query, key, value, stats)
+        return out.to(query.dtype)
+    return _RingFunction.apply(query, key, value, call, stats, *params)

@@ -1,0 +1,147 @@
+"""Every check of context-parallel attention, made before any communication.
+
+The checks read only what every rank of the group shares (shapes, settings, the bias module), so a refused
+call is refused on every rank alike, before anything is sent, and no rank is left waiting for another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._attention_inputs import check_bias, check_qkv, resolve_convention
+from ..backends.structured import far_distance
+from ..biases.base import RelativeBias
+from .blocks import BlockSettings
+from .layout import check_layout
+
+__all__ = ["STRATEGIES", "ContextParallelCall", "check_context_parallel"]
+
+#: The strategies context-parallel attention knows.
+STRATEGIES = ("ring", "ulysses")
+
+
+@dataclass(frozen=True)
+class ContextParallelCall:
+    """A validated context-parallel call.
+
+    Attributes:
+        group: the process group (None: the default group); world_size P and rank r in it.
+        layout: "contiguous" or "zigzag".
+        strategy: "ring" or "ulysses".
+        local_len: L/P, tokens per rank; seq_len: L.
+        mask: None or the bool key padding mask shard (Bm, Hm, 1, L/P).
+        settings: the :class:`relbias.distributed.blocks.BlockSettings` of every block.
+    """
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    layout: str
+    strategy: str
+    local_len: int
+    mask: torch.Tensor | None
+    settings: BlockSettings
+
+    @property
+    def seq_len(self) -> int:
+        return self.local_len * self.world_size
+
+
+def _check_mask(mask: object, query: torch.Tensor, local_len: int) -> None:
+    if mask is None:
+        return
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(
+            f"context-parallel attention takes a bool key padding mask (True = may attend) or None, got "
+            f"{mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__}"
+        )
+    b, h = query.shape[:2]
+    if mask.dim() != 4 or mask.shape[0] not in (1, b) or mask.shape[1] not in (1, h) or mask.shape[2] != 1 or mask.shape[3] != local_len:
+        raise ValueError(
+            f"the mask must be this rank's shard of a key padding mask, bool (B or 1, H or 1, 1, L/P) = "
+            f"({b} or 1, {h} or 1, 1, {local_len}), sharded like the keys; got {tuple(mask.shape)}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+
+
+def _check_bias_range(bias: RelativeBias, seq_len: int, is_causal: bool, device: torch.device) -> None:
+    """Evaluate the bias at the extreme global offsets, so that a table too short for the sequence (a per-offset
+    bias with out_of_range="error") is refused here, on every rank, and not inside one rank's block."""
+    if not bias.offset_only:
+        return
+    low = 0 if is_causal else -(seq_len - 1)
+    bias.offset_values(torch.tensor([low, seq_len - 1], device=device))
+
+
+def check_context_parallel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    bias: object,
+    mask: object,
+    is_causal: object,
+    scale: float | None,
+    convention: str | None,
+    group: dist.ProcessGroup | None,
+    layout: object,
+    strategy: object,
+) -> ContextParallelCall:
+    """Validate the arguments of :func:`relbias.distributed.context_parallel_attention`.
+
+    Raises:
+        RuntimeError: torch.distributed is not available or not initialised.
+        TypeError, ValueError: as :func:`relbias.distributed.context_parallel_attention` documents.
+    """
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    check_layout(layout)
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "context-parallel attention needs an initialised torch.distributed process group; call "
+            "torch.distributed.init_process_group first (e.g. under torchrun)"
+        )
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    check_qkv(query, key, value)
+    b, h, local_len, d = query.shape
+    if key.shape[2] != local_len:
+        raise ValueError(
+            f"context-parallel self-attention shards queries and keys alike: the local query length {local_len} "
+            f"and key length {key.shape[2]} must be equal"
+        )
+    if local_len == 0:
+        raise ValueError("the local shard is empty (length 0); every rank must hold L/P >= 1 tokens")
+    if layout == "zigzag" and local_len % 2:
+        raise ValueError(
+            f"layout 'zigzag' gives each rank 2 equal chunks, so the local length must be even; got {local_len} "
+            f"on {world_size} ranks (sequence length {local_len * world_size} is not divisible by "
+            f"2P = {2 * world_size})"
+        )
+    if strategy == "ulysses" and h % world_size:
+        raise ValueError(
+            f"strategy 'ulysses' shards the {h} heads over {world_size} ranks, so num_heads must be divisible by "
+            f"the group size; {h} % {world_size} = {h % world_size} (use strategy='ring')"
+        )
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    if bias is not None and not isinstance(bias, RelativeBias):
+        raise TypeError(
+            f"context-parallel attention takes a RelativeBias module or None as bias, got {type(bias).__name__} "
+            f"(a materialised bias tensor has no global positions; pass the module)"
+        )
+    check_bias(bias, query, (b, h, local_len, local_len))
+    convention, scale = resolve_convention(convention, bias, scale, d)
+    _check_mask(mask, query, local_len)
+    if bias is not None:
+        if not bias.bidirectional and not is_causal:
+            raise ValueError(
+                "the bias is causal (bidirectional=False) and has no value for future keys (offset i - j < 0); "
+                "pass is_causal=True"
+            )
+        _check_bias_range(bias, local_len * world_size, is_causal, query.device)
+    settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias))
+    return ContextParallelCall(group, world_size, rank, layout, strategy, local_len, mask, settings)

@@ -1,0 +1,184 @@
+"""Cases of the multi-process tests: each compares context-parallel attention on every rank with single-process
+relbias.attention on the unsharded tensors (outputs and gradients of query, key, value and bias parameters), or
+checks a refusal. Shared by the test module (case names) and the worker processes (running them)."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+import relbias
+from relbias.distributed import RingStats, context_parallel_attention, shard
+
+B, H, D = 2, 4, 8
+TOL = 1e-5
+
+
+def make_bias(family: str) -> relbias.RelativeBias | None:
+    """The bias of a family at test size (far distances small enough that 64-token sequences have far blocks)."""
+    if family == "t5_causal":
+        return relbias.T5Bias(H, num_buckets=8, max_distance=16, bidirectional=False, init_std=0.5)
+    if family == "t5":
+        return relbias.T5Bias(H, num_buckets=8, max_distance=16, init_std=0.5)
+    if family == "offset":  # seed convention: the bias (and its far constant) is scaled
+        return relbias.PerOffsetBias(max_len=16, num_heads=H, out_of_range="clip", init_std=0.5)
+    if family == "offset_shared_causal":
+        return relbias.PerOffsetBias(max_len=12, bidirectional=False, out_of_range="clip", init_std=0.5)
+    if family == "alibi":
+        return relbias.ALiBiBias(H, bidirectional=False)
+    if family == "fire":
+        return relbias.FIREBias(H, hidden_width=8)
+    if family == "none":
+        return None
+    raise ValueError(family)
+
+
+#: family -> is_causal
+FAMILIES = {
+    "t5_causal": True, "t5": False, "offset": False, "offset_shared_causal": True, "alibi": True, "none": False,
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    is_causal: bool
+    layout: str
+    strategy: str
+    padding: bool
+    seq_len: int = 64
+    dtype: str = "float32"
+
+    @property
+    def name(self) -> str:
+        pad = "-pad" if self.padding else ""
+        f64 = "-float64" if self.dtype == "float64" else ""
+        return f"{self.family}-{'causal' if self.is_causal else 'bidir'}-{self.layout}-{self.strategy}{pad}{f64}"
+
+    @property
+    def tolerance(self) -> float:
+        """Absolute and relative bound: 1e-5 in float32; 1e-10 in float64, where only rounding differs."""
+        return TOL if self.dtype == "float32" else 1e-10
+
+
+def comparison_cases() -> list[Case]:
+    cases = []
+    for family, causal in FAMILIES.items():
+        for layout in ("contiguous", "zigzag"):
+            for strategy in ("ring", "ulysses"):
+                padding = (layout == "contiguous") == (strategy == "ring")  # padded: contiguous ring, zigzag ulysses
+                cases.append(Case(family, causal, layout, strategy, padding))
+    cases.append(Case("fire", True, "zigzag", "ring", True, seq_len=32))
+    cases.append(Case("t5", True, "zigzag", "ring", False))  # bidirectional table, causal attention
+    # float64: the sharded computation is exact, so it agrees to rounding (far tighter than float32's bound)
+    cases.append(Case("t5", False, "zigzag", "ring", True, dtype="float64"))
+    cases.append(Case("t5_causal", True, "contiguous", "ring", True, dtype="float64"))
+    cases.append(Case("offset", False, "zigzag", "ulysses", True, dtype="float64"))
+    return cases
+
+
+#: Cases that 4 processes also run as two independent groups of 2 (``group=``, ranks {0, 1} and {2, 3}).
+SUBGROUP_CASES = [Case("t5", False, "zigzag", "ring", True), Case("offset", False, "contiguous", "ulysses", True)]
+
+#: refusal name -> (exception type name, substring of the message)
+REFUSALS = {
+    "zigzag_odd_local_length": ("ValueError", "must be even"),
+    "ulysses_heads_not_divisible": ("ValueError", "divisible"),
+    "unknown_layout": ("ValueError", "layout must be one of"),
+    "unknown_strategy": ("ValueError", "strategy must be one of"),
+    "mask_wrong_shape": ("ValueError", "key padding mask"),
+    "tensor_bias": ("TypeError", "RelativeBias module"),
+    "offset_table_too_short": ("ValueError", "has no parameter"),
+    "causal_only_bias_bidirectional_call": ("ValueError", "is_causal=True"),
+}
+
+
+def _key_padding(seq_len: int) -> torch.Tensor:
+    """(B, 1, 1, L) bool: batch 0 keeps everything; batch 1 drops its first 3 and last 9 keys and two in between
+    (under a causal mask, its first 3 queries see no key)."""
+    keep = torch.ones(B, 1, 1, seq_len, dtype=torch.bool)
+    keep[1, ..., :3] = False
+    keep[1, ..., seq_len - 9 :] = False
+    keep[1, ..., seq_len // 2] = False
+    keep[1, ..., seq_len // 2 + 5] = False
+    return keep
+
+
+def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
+    """Run one comparison on this rank (``rank`` and ``world_size`` in ``group``, default the whole world): how far each result is beyond ``tol·(1 + |ref|)`` (0 when within) and the
+    ring's stats."""
+    torch.manual_seed(1234)
+    length = case.seq_len
+    dtype = getattr(torch, case.dtype)
+    q, k, v, g = (torch.randn(B, H, length, D, dtype=dtype) for _ in range(4))
+    # Scores of order 1. Merging by log-sum-exp holds each block's weights to |lse| x 2^-24 in float32 (as any
+    # flash-style kernel): with T5's unscaled scores on unit-variance q and k (|lse| ~ 15, |dq| ~ 7) that alone
+    # reaches 1e-5 in dq. The float64 cases show that the sharded computation itself is exact.
+    q, k = q * 0.5, k * 0.5
+    bias = make_bias(case.family)
+    bias = bias if bias is None else bias.to(dtype)
+    ref_bias = copy.deepcopy(bias)
+    mask = _key_padding(length) if case.padding else None
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    ref = relbias.attention(*leaves, bias=ref_bias, mask=mask, is_causal=case.is_causal)
+    (ref * g).sum().backward()
+
+    def local(t):
+        return shard(t, world_size, rank, layout=case.layout)
+
+    mine = [local(t).requires_grad_(True) for t in (q, k, v)]
+    stats = RingStats()
+    out = context_parallel_attention(
+        *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
+        is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, stats=stats, group=group,
+    )
+    (out * local(g)).sum().backward()
+
+    pairs = {"out": (out, local(ref))}
+    for name, m, r in zip(("dq", "dk", "dv"), mine, leaves):
+        pairs[name] = (m.grad, local(r.grad))
+    if bias is not None:
+        for (name, p), rp in zip(bias.named_parameters(), ref_bias.parameters()):
+            pairs[f"d_{name}"] = (p.grad, rp.grad)
+    errors = {}
+    for name, (got, want) in pairs.items():
+        if got is None or want is None:
+            errors[name] = float("inf") if (got is None) != (want is None) else 0.0
+            continue
+        excess = ((got - want).abs() - case.tolerance * (1 + want.abs())).max().item()
+        errors[name] = max(excess, 0.0)
+    return {"errors": errors, "stats": [stats.blocks, stats.skipped, stats.bias_free, stats.biased]}
+
+
+def run_refusal(name: str, rank: int, world_size: int) -> str | None:
+    """Make the refused call; return ``"TypeName: message"`` of what it raised, or None if it did not raise."""
+    torch.manual_seed(0)
+    length = 2 * world_size * 2
+    q = torch.randn(1, H, length // world_size, D)
+    kwargs: dict = {}
+    if name == "zigzag_odd_local_length":
+        q = torch.randn(1, H, 3, D)
+        kwargs["layout"] = "zigzag"
+    elif name == "ulysses_heads_not_divisible":
+        q = torch.randn(1, world_size + 1, 4, D)
+        kwargs["strategy"] = "ulysses"
+    elif name == "unknown_layout":
+        kwargs["layout"] = "striped"
+    elif name == "unknown_strategy":
+        kwargs["strategy"] = "tree"
+    elif name == "mask_wrong_shape":
+        kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2] + 1, dtype=torch.bool)
+    elif name == "tensor_bias":
+        kwargs["bias"] = torch.zeros(1, H, q.shape[2], q.shape[2])
+    elif name == "offset_table_too_short":
+        kwargs["bias"] = relbias.PerOffsetBias(max_len=q.shape[2])  # local length fits, the global length does not
+    elif name == "causal_only_bias_bidirectional_call":
+        kwargs["bias"] = relbias.ALiBiBias(H, bidirectional=False)
+    try:
+        context_parallel_attention(q, q, q, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which checks type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None

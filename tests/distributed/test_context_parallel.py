@@ -1,0 +1,113 @@
+"""context_parallel_attention on 2 and 4 gloo processes (CPU) against single-process relbias.attention.
+
+Each group of processes is started once for the whole module (a module-scoped fixture): every rank runs every
+case of ``_cases`` and writes its results to a file; the tests below read them. One torch thread per process,
+``file://`` rendezvous in a fresh temporary folder, loopback only, a 45 s timeout on every collective, a join
+timeout, and the process group destroyed in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ._cases import REFUSALS, SUBGROUP_CASES, comparison_cases
+
+WORKER = Path(__file__).with_name("_worker.py")
+WORLD_SIZES = (2, 4)
+JOIN_TIMEOUT_S = 240
+
+
+def _run_group(world_size: int, folder: Path) -> list[dict]:
+    """Start ``world_size`` worker processes, wait for them (with a timeout), return each rank's results."""
+    folder.mkdir()
+    init_file, env = folder / "rendezvous", dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    outs = [folder / f"rank{r}.json" for r in range(world_size)]
+    logs = [open(folder / f"rank{r}.log", "w") for r in range(world_size)]
+    procs = [
+        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(init_file), str(outs[r])],
+                         stdout=logs[r], stderr=subprocess.STDOUT, env=env)
+        for r in range(world_size)
+    ]
+    try:
+        for p in procs:
+            p.wait(timeout=JOIN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        for f in logs:
+            f.close()
+    results = []
+    for r in range(world_size):
+        data = json.loads(outs[r].read_text()) if outs[r].exists() else {}
+        data["returncode"] = procs[r].returncode
+        data["log"] = (folder / f"rank{r}.log").read_text()[-4000:]
+        results.append(data)
+    return results
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> dict[int, list[dict]]:
+    base = tmp_path_factory.mktemp("context_parallel")
+    return {p: _run_group(p, base / f"world{p}") for p in WORLD_SIZES}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_every_rank_finished(groups, world_size):
+    for rank, res in enumerate(groups[world_size]):
+        assert res.get("done") and res["returncode"] == 0, f"rank {rank} of {world_size}: {res['log']}"
+
+
+@pytest.mark.parametrize("case", [c.name for c in comparison_cases()])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_matches_single_process(groups, world_size, case):
+    """Outputs and gradients (query, key, value, bias parameters) of every rank equal the unsharded
+    single-process relbias.attention within 1e-5 (absolute, plus 1e-5 relative) in float32, 1e-10 in float64."""
+    for rank, res in enumerate(groups[world_size]):
+        got = res.get("comparisons", {}).get(case)
+        assert got is not None, f"rank {rank} did not run {case}: {res['log']}"
+        assert "exception" not in got, got.get("exception")
+        bad = {k: v for k, v in got["errors"].items() if v > 0}
+        assert not bad, f"rank {rank}/{world_size} {case}: beyond the bound by {bad}"
+
+
+@pytest.mark.parametrize("case", [c.name for c in SUBGROUP_CASES])
+def test_process_subgroups(groups, case):
+    """4 processes as two groups of 2 (``group=``): each group's ranks match the single-process result."""
+    test_matches_single_process({4: groups[4]}, 4, "subgroup:" + case)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_ring_skips_future_blocks_and_runs_far_blocks_bias_free(groups, world_size):
+    """Causal rings skip blocks; T5 and clipped per-offset rings run far blocks bias-free (summed over ranks)."""
+    def total(case):
+        return [sum(res["comparisons"][case]["stats"][i] for res in groups[world_size]) for i in range(4)]
+
+    blocks, skipped, free, biased = total("t5_causal-causal-contiguous-ring-pad")
+    assert blocks == world_size**2 and skipped == world_size * (world_size - 1) // 2
+    assert free + biased + skipped == blocks
+    if world_size == 4:  # 16-token shards: offsets >= 17 from the second block down, beyond T5's far distance
+        assert free > 0
+        assert total("offset-bidir-zigzag-ring")[2] > 0
+    assert total("none-bidir-contiguous-ring-pad")[2] == 0  # no bias: nothing is counted bias-free
+    zigzag = total("t5_causal-causal-zigzag-ring")
+    assert zigzag[0] == 4 * world_size**2
+
+
+@pytest.mark.parametrize("name", sorted(REFUSALS))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_refusals(groups, world_size, name):
+    kind, words = REFUSALS[name]
+    for rank, res in enumerate(groups[world_size]):
+        raised = res.get("refusals", {}).get(name)
+        assert raised is not None, f"rank {rank}: {name} was not refused"
+        assert raised.startswith(kind + ":") and words in raised, raised
