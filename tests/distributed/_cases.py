@@ -71,6 +71,7 @@ def comparison_cases() -> list[Case]:
                 padding = (layout == "contiguous") == (strategy == "ring")  # padded: contiguous ring, zigzag ulysses
                 cases.append(Case(family, causal, layout, strategy, padding))
     cases.append(Case("fire", True, "zigzag", "ring", True, seq_len=32))
+    cases.append(Case("fire", True, "contiguous", "ulysses", False, seq_len=32))
     cases.append(Case("t5", True, "zigzag", "ring", False))  # bidirectional table, causal attention
     # float64: the sharded computation is exact, so it agrees to rounding (far tighter than float32's bound)
     cases.append(Case("t5", False, "zigzag", "ring", True, dtype="float64"))
@@ -136,8 +137,13 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
         is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, stats=stats, group=group,
     )
     (out * local(g)).sum().backward()
+    with torch.no_grad():  # inference runs without the autograd Function
+        out_no_grad = context_parallel_attention(
+            *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
+            is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, group=group,
+        )
 
-    pairs = {"out": (out, local(ref))}
+    pairs = {"out": (out, local(ref)), "out_no_grad": (out_no_grad, local(ref))}
     for name, m, r in zip(("dq", "dk", "dv"), mine, leaves):
         pairs[name] = (m.grad, local(r.grad))
     if bias is not None:

@@ -13,7 +13,7 @@ import relbias
 from relbias.backends.structured import far_distance
 from relbias.call import make_call
 from relbias.distributed import HeadSliceBias, block_kind, merge_partials, slice_heads
-from relbias.distributed.blocks import BlockSettings, block_backward, run_block
+from relbias.distributed.blocks import BlockSettings, _band_backend, block_backward, run_block
 from relbias.distributed.merge import merge_into
 
 L, PIECE = 60, 12
@@ -121,3 +121,19 @@ def test_head_slice_is_the_parents_heads(name):
     assert slice_heads(shared, 1, 3) is shared and slice_heads(None, 0, 1) is None
     with pytest.raises(ValueError, match="head range"):
         HeadSliceBias(bias, 3, 5)
+
+
+def test_large_band_blocks_run_the_structured_backend_and_agree():
+    torch.manual_seed(3)
+    bias = relbias.T5Bias(8, bidirectional=False)
+    q, k, v = (torch.randn(1, 8, 256, 16, dtype=torch.float64) for _ in range(3))
+    call = make_call(q, k, v, bias=bias, is_causal=True, query_start=256, key_start=0)
+    settings = BlockSettings(bias.double(), True, call.scale, call.convention, far_distance(bias))
+    kwargs = dict(bias=bias, is_causal=True, scale=call.scale, convention=call.convention, query_start=256,
+                  key_start=0, return_lse=True)
+    assert _band_backend(q, k, v, kwargs, settings) == "structured"
+    assert _band_backend(q[:, :4], k[:, :4], v[:, :4], kwargs, settings) == "auto"  # 2^18 scores: auto's choice
+    out, lse = run_block(q, k, v, None, 256, 0, "bias", settings)
+    ref, ref_lse = relbias.attention(q, k, v, backend="reference", **kwargs)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(lse, ref_lse)

@@ -13,13 +13,25 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from ..backends._cpu_flash import fused_available
-from ..backends.structured import _part_backward, _run_part
+from ..backends._cpu_flash import fused_available, fused_backward
+from ..backends.structured import _additive, _empty_rows, _part_backward, _run_part
 from ..functional import attention
 
-__all__ = ["bias_free_attention"]
+__all__ = ["bias_free_attention", "far_block_backward", "fused_runs"]
 
 _NEG_INF = float("-inf")
+
+
+def fused_runs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the fused CPU kernel runs a block of these (non-empty) tensors: CPU, a dtype it takes, Dv == D."""
+    ok, _ = fused_available(query.device, query.dtype)
+    return ok and value.shape[-1] == query.shape[-1] and query.shape[2] > 0 and key.shape[2] > 0
+
+
+def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """(Bm, Hm, Lk) bool of a (Bm, Hm, 1, Lk) key padding mask; None when there is none or nothing is padded."""
+    keep = None if mask is None else mask[:, :, 0]
+    return None if keep is None or bool(keep.all()) else keep
 
 
 class _FusedFunction(torch.autograd.Function):
@@ -70,13 +82,61 @@ def bias_free_attention(
         out (B, H, Lq, Dv) in the query's dtype (0 for a row with no visible key), lse (B, H, Lq) float32 (float64
         for float64 inputs; ``-inf`` for such a row); both differentiable.
     """
-    ok, _ = fused_available(query.device, query.dtype)
-    if ok and value.shape[-1] == query.shape[-1] and query.shape[2] and key.shape[2]:
-        keep = None if mask is None else mask[:, :, 0]
-        if keep is not None and bool(keep.all()):
-            keep = None
-        return _FusedFunction.apply(query, key, value, scale, keep)
+    if fused_runs(query, key, value):
+        return _FusedFunction.apply(query, key, value, scale, _keep(mask))
     return attention(
         query, key, value, mask=mask, scale=scale, convention="additive", query_start=query_start,
         key_start=key_start, return_lse=True,
     )
+
+
+def far_block_backward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    const: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A far block's share of the gradients, from the merged result, without recomputing its forward.
+
+    The block's scores are ``scale · q . k + c_h``; the kernel forms ``p = exp(scale · q . k - (lse - c_h))``, the
+    global probabilities, and ``D_i = dO_i . O_i`` from the merged output, so it returns exactly this block's
+    share of dq, dk, dv (FlashAttention's backward, Dao et al. 2022, Alg. 2). The gradient of the constant is
+    ``sum_ij dS_ij``: a zero column appended to q and a column of ones to k leave the scores unchanged and make
+    the last column of dq ``scale · sum_j dS_ij``. Call only where :func:`fused_runs` holds.
+
+    Args:
+        query: (B, H, lq, D); key, value: (B, H, lk, D); mask: None or a bool key padding mask (B|1, H|1, 1, lk).
+        scale: multiplier of ``q . k``.
+        grad_out: (B, H, lq, D) gradient of the merged output; out: (B, H, lq, D) the merged output;
+            lse: (B, H, lq) the merged log-sum-exp (float32/float64, ``-inf`` for a row with no visible key).
+        const: (Hb, 1) the block's constant (Hb 1 or H), in the dtype of ``lse``.
+
+    Returns:
+        dq, dk, dv in the dtype of ``lse``, and d const (Hb, 1).
+    """
+    compute = lse.dtype
+    q, k, v = query, key, value
+    if q.dtype == torch.float16:  # as the structured backend: float16 blocks run in float64
+        q, k, v = q.double(), k.double(), v.double()
+    d = q.shape[-1]
+    pad = torch.nn.functional.pad
+    q1, v1 = pad(q, (0, 1)), pad(v, (0, 1))
+    k1 = torch.cat([k, torch.ones_like(k[..., :1])], dim=-1)
+    kernel_lse = (lse - const).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+    keep = _keep(mask)
+    empty = lse == _NEG_INF
+    if keep is not None:
+        empty = empty | _empty_rows(keep, "full", q.shape[2])
+    kernel_lse = kernel_lse.masked_fill(empty, float("inf"))  # rows seeing no key here: p = 0
+    do1 = pad(grad_out.to(q.dtype), (0, 1))
+    out1 = pad(out.to(q.dtype), (0, 1))
+    gq, gk, gv = fused_backward(do1, q1, k1, v1, out1, kernel_lse, is_causal=False, scale=scale,
+                                attn_mask=_additive(keep, q.dtype))
+    dconst = gq[..., d].to(compute).sum(dim=(0, 2)) / scale  # (H,)
+    dconst = dconst.sum(0, keepdim=True) if const.shape[0] == 1 else dconst
+    return gq[..., :d].to(compute), gk[..., :d].to(compute), gv[..., :d].to(compute), dconst[:, None]
