@@ -42,7 +42,9 @@ def context_parallel_attention(
     Layouts (:mod:`relbias.distributed.layout`; :func:`shard` / :func:`unshard` cut and join full tensors)::
 
         "contiguous": rank r holds positions [r·L/P, (r+1)·L/P)
-        "zigzag":     2P chunks of L/(2P); rank r holds chunks r and 2P-1-r (balanced causal work)
+        "zigzag":     2P chunks of L/(2P); rank r holds chunks r and 2P-1-r (balanced causal work;
+                      the load balancing of Brandon et al. 2023, Striped Attention, which stripes single
+                      tokens; zigzag is the chunked form of ring-flash-attention and Megatron-LM)
                       P = 2, L = 8:  rank 0 -> 0 1 6 7,  rank 1 -> 2 3 4 5
 
     Strategies:
@@ -54,8 +56,8 @@ def context_parallel_attention(
       split-KV merge). Causal blocks entirely in the future are skipped; with a far-constant bias (T5,
       ``PerOffsetBias(out_of_range="clip")``: ``bias.far_constant_distance()`` = T), a block whose offsets
       all satisfy ``|i - j| >= T`` runs bias-free attention and adds the per-head constant
-      ``bias_scale · PE_h(±T)`` to its log-sum-exp. Backward recomputes each block and sends dK and dV around
-      the ring to the ranks owning those keys. Any head count; memory O(L/P · D) per rank and head.
+      ``bias_scale · PE_h(±T)`` to its log-sum-exp. Backward recomputes each biased block (far blocks use the
+      fused kernel's backward directly) and sends dK and dV around the ring to the ranks owning those keys. Any head count; memory O(L/P · D) per rank and head.
     * ``"ulysses"`` (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence shards to head shards
       (H/P heads each over the whole sequence), single-device ``relbias.attention`` with the bias sliced to the
       rank's heads, all-to-all back. Needs ``H % P == 0``.

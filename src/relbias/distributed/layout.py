@@ -5,8 +5,9 @@ Two layouts (docs/conventions.md for positions; every position here is an absolu
 * ``"contiguous"``: the sequence of L tokens is cut into P chunks of L/P; rank r holds chunk r, positions
   ``[r·L/P, (r+1)·L/P)``. Ring Attention's layout (Liu et al. 2023).
 * ``"zigzag"``: the sequence is cut into 2P chunks of L/(2P); rank r holds chunks r and 2P-1-r, in that
-  order, so under a causal mask every rank does the same work (Brandon et al. 2023, "Striped Attention",
-  and the zigzag layout of ring-flash-attention / Megatron context parallelism)::
+  order, so under a causal mask every rank does the same work: the load balancing of Brandon et al. 2023,
+  "Striped Attention" (which stripes single tokens over ranks), in the chunked form of ring-flash-attention
+  and Megatron-LM context parallelism::
 
       P = 2, L = 8:   chunks  [0 1] [2 3] [4 5] [6 7]
                       rank 0: [0 1]             [6 7]   -> positions 0 1 6 7

@@ -7,9 +7,10 @@ from r - 1), runs its blocks (one per pair of local query piece and travelling k
 :mod:`relbias.distributed.plan`) while the exchange is in flight, and folds each block's ``(out, lse)`` into
 its running result (:mod:`relbias.distributed.merge`).
 
-Backward (a custom ``torch.autograd.Function``): the same rotation once more; per block, the block's forward
-is recomputed with autograd and its share of the merged result's gradient pushed through it
-(:func:`relbias.distributed.blocks.block_backward`). dq stays; dk and dv of the travelling block are added to
+Backward (a custom ``torch.autograd.Function``): the same rotation once more; per block, its share of the
+merged result's gradient (:func:`relbias.distributed.blocks.block_backward`): a far block runs the fused
+kernel's backward with the merged output and global lse, any other block is recomputed with autograd and the
+share pushed through it. dq stays; dk and dv of the travelling block are added to
 the accumulators that travel with it, so after P hops they reach the rank that owns those keys (each hop is
 posted after the block's compute and waited for after the next one's). Bias-parameter gradients are partial
 per rank and summed over the group with one ``all_reduce``. Every rank must call backward. Saved for
