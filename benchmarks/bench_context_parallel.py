@@ -11,6 +11,9 @@ a T5 bias (32 buckets, max_distance 128), forward plus backward (gradients of q,
   machine with fewer cores than ranks, wall time mostly measures the oversubscription).
 * the fraction of ring blocks (forward, summed over ranks) that ran bias-free (far beyond T5's last bucket).
 
+A row "attn" times single-device ``relbias.attention`` on the whole sequence in one process (``--no-single``
+skips it): P = 1 of context-parallel attention is slower, since its backward recomputes the biased blocks.
+
 Ratios against P = 1 measured in the same run are printed, and the 1-minute load average before and after.
 
 Usage::
@@ -84,10 +87,13 @@ def measure_rank(spec: dict) -> dict:
     def step(count: bool) -> None:
         for t in (q, k, v, *bias.parameters()):
             t.grad = None
-        out = context_parallel_attention(
-            q, k, v, bias=bias, is_causal=spec["causal"], layout=spec["layout"], strategy=spec["strategy"],
-            stats=stats if count else None,
-        )
+        if spec.get("single"):  # the single-device call itself, for comparison
+            out = relbias.attention(q, k, v, bias=bias, is_causal=spec["causal"])
+        else:
+            out = context_parallel_attention(
+                q, k, v, bias=bias, is_causal=spec["causal"], layout=spec["layout"], strategy=spec["strategy"],
+                stats=stats if count else None,
+            )
         out.backward(grad)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -155,18 +161,18 @@ def run_spawned(world: int, spec: dict) -> list[dict]:
         return [json.load(open(o)) for o in outs]
 
 
-def summarise(world: int, length: int, ranks: list[dict]) -> dict:
+def summarise(world: int, length: int, ranks: list[dict], single: bool = False) -> dict:
     ran = sum(r["blocks"] - r["skipped"] for r in ranks)
     return {
-        "P": world, "L": length, "peak_mib": max(r["peak_mib"] for r in ranks),
+        "P": world, "label": "attn" if single else str(world), "L": length, "peak_mib": max(r["peak_mib"] for r in ranks),
         "wall_ms": max(r["wall_ms"] for r in ranks), "cpu_sum_ms": sum(r["cpu_ms"] for r in ranks),
         "bias_free": sum(r["bias_free"] for r in ranks) / ran if ran else None,  # None: no ring blocks (ulysses)
     }
 
 
 def print_table(rows: list[dict]) -> None:
-    base = {r["L"]: r for r in rows if r["P"] == 1}
-    print(f"{'P':>2} {'L':>6} {'peak MiB/rank':>14} {'x P=1':>6} {'fwd+bwd ms':>11} {'x P=1':>6} "
+    base = {r["L"]: r for r in rows if r["label"] == "1"}
+    print(f"{'P':>4} {'L':>6} {'peak MiB/rank':>14} {'x P=1':>6} {'fwd+bwd ms':>11} {'x P=1':>6} "
           f"{'CPU ms (sum)':>13} {'x P=1':>6} {'bias-free':>9}")
     for r in rows:
         b = base.get(r["L"])
@@ -175,7 +181,7 @@ def print_table(rows: list[dict]) -> None:
             return f"{r[key] / b[key]:6.2f}" if b and b[key] else f"{'-':>6}"
 
         free = "-" if r["bias_free"] is None else f"{r['bias_free']:.1%}"
-        print(f"{r['P']:>2} {r['L']:>6} {r['peak_mib']:>14.1f} {ratio('peak_mib')} {r['wall_ms']:>11.1f} "
+        print(f"{r['label']:>4} {r['L']:>6} {r['peak_mib']:>14.1f} {ratio('peak_mib')} {r['wall_ms']:>11.1f} "
               f"{ratio('wall_ms')} {r['cpu_sum_ms']:>13.1f} {ratio('cpu_sum_ms')} {free:>9}")
 
 
@@ -195,6 +201,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--timeout-s", type=int, default=1800, help="collective timeout per rank, seconds")
+    parser.add_argument("--no-single", action="store_true", help="skip the single-device relbias.attention row")
     parser.add_argument("--torchrun", action="store_true", help="run under torchrun (env:// rendezvous), one P")
     parser.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="with --torchrun")
     args = parser.parse_args()
@@ -229,7 +236,13 @@ def main() -> None:
         for length in args.lengths:
             for world in args.world_sizes:
                 rows.append(summarise(world, length, run_spawned(world, {**spec, "length": length})))
+            if not args.no_single:
+                ranks = run_spawned(1, {**spec, "length": length, "single": True})
+                rows.append(summarise(1, length, ranks, single=True))
         print_table(rows)
+        if not args.no_single:
+            print("attn: single-device relbias.attention (backend auto) on the whole sequence, one process; ratios "
+                  "are against P = 1 of context-parallel attention")
     print(f"load average {os.getloadavg()[0]:.2f} after (1 min){'; ranks exceed the CPUs, so wall times include waiting' if max(args.world_sizes) * args.threads > (os.cpu_count() or 1) and not args.torchrun else ''}")
 
 
