@@ -249,7 +249,13 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     kwargs = dict(score_mod=score_mod if has_mod else None, block_mask=block_mask, scale=call.scale)
     if not call.return_lse:  # compiled FlexAttention on CPU has no return_lse in torch 2.13
         return _run(q, k, v, **kwargs)[:, :, :lq], None
-    out, lse = _run(q, k, v, return_lse=True, **kwargs)
+    from torch.nn.attention import flex_attention as flex_module
+
+    if hasattr(flex_module, "AuxRequest"):  # torch >= 2.9: return_lse is deprecated
+        out, aux = _run(q, k, v, return_aux=flex_module.AuxRequest(lse=True), **kwargs)
+        lse = aux.lse
+    else:
+        out, lse = _run(q, k, v, return_lse=True, **kwargs)
     return out[:, :, :lq], lse[:, :, :lq].float()
 
 
