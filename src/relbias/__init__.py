@@ -9,6 +9,18 @@ from .positions import Alignment, relative_offsets, resolve_alignment
 
 __version__ = "0.1.0"
 
+#: Subpackages reachable as ``relbias.NAME`` after ``import relbias`` (imported on first use).
+_SUBMODULES = ("backends", "benchmark", "biases", "call", "distributed", "experiments", "integrations", "nn")
+
+
+def __getattr__(name: str):
+    """``relbias.nn``, ``relbias.experiments``, ... without a separate import (PEP 562)."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'relbias' has no attribute {name!r}")
+
 __all__ = [
     "ALiBiBias",
     "CONVENTIONS",

@@ -118,3 +118,23 @@ def test_return_lse_must_be_a_bool():
     q = torch.randn(1, 1, 2, 4)
     with pytest.raises(TypeError, match="return_lse must be a bool, got 1"):
         relbias.attention(q, q, q, return_lse=1)
+
+
+def test_the_readme_recipe_true_positions_and_merge_partials():
+    """The README's split-KV recipe: explicit query_start and key_start per block, merged by merge_partials (a
+    query that sees no key in either block stays 0, where the bare formula gives NaN)."""
+    from relbias.distributed import merge_partials
+
+    q, k, v = torch.randn(1, H, 6, D), torch.randn(1, H, 10, D), torch.randn(1, H, 10, D)
+    bias = relbias.ALiBiBias(H, bidirectional=False)
+    mask = torch.ones(1, 1, 6, 10, dtype=torch.bool)
+    mask[..., 0, :] = False  # query 0 sees nothing
+    h = 4
+    kw = dict(bias=bias, is_causal=True, query_start=4, return_lse=True)
+    o1, l1 = relbias.attention(q, k[:, :, :h], v[:, :, :h], mask=mask[..., :h], key_start=0, **kw)
+    o2, l2 = relbias.attention(q, k[:, :, h:], v[:, :, h:], mask=mask[..., h:], key_start=h, **kw)
+    out, lse = merge_partials(o1, l1, o2, l2)
+    want, want_lse = relbias.attention(q, k, v, mask=mask, **kw)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse)
+    assert torch.equal(out[..., 0, :], torch.zeros_like(out[..., 0, :]))

@@ -103,3 +103,15 @@ def test_explain_backend_names_the_backend_that_runs_when_keys_hold_nan(monkeypa
         out = relbias.attention(q, k, v, bias=bias)
     assert ran == ["blockwise"]
     assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()  # the NaN key reaches its head only
+
+
+def test_a_backend_without_name_or_summary_is_refused_with_what_it_needs():
+    class Nameless(Backend):
+        def unsupported_reasons(self, call):
+            return []
+
+        def forward(self, call):
+            return reference_attention(call)
+
+    with pytest.raises(TypeError, match="Nameless needs a class attribute 'name'"):
+        register_backend(Nameless())

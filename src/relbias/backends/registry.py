@@ -22,11 +22,17 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
     """Add ``backend`` to :data:`BACKENDS`, last or just before the backend named ``before``.
 
     Raises:
-        TypeError: ``backend`` is not a :class:`Backend` instance.
+        TypeError: ``backend`` is not a :class:`Backend` instance, or lacks a str ``name`` / ``summary``.
         ValueError: its name is "auto", already registered, or ``before`` is not registered.
     """
     if not isinstance(backend, Backend):
         raise TypeError(f"a backend must be an instance of relbias.backends.Backend, got {type(backend).__name__}")
+    for attribute in ("name", "summary"):
+        if not isinstance(getattr(backend, attribute, None), str):
+            raise TypeError(
+                f"{type(backend).__name__} needs a class attribute {attribute!r} (a str): 'name' is what users pass as "
+                f"backend=, 'summary' the sentence explain_backend shows"
+            )
     name = backend.name
     if not isinstance(name, str) or not name or name == "auto" or name in BACKENDS:
         raise ValueError(f"backend name {name!r} is reserved or already registered; registered: {list(BACKENDS)}")
