@@ -92,13 +92,38 @@ class AttentionCall:
         return any(t.requires_grad for t in tensors)
 
     @functools.cached_property
-    def keys_and_values_finite(self) -> bool:
-        """True when key and value hold no NaN/inf (always True on the meta device, which has no values).
+    def hidden_keys_finite(self) -> bool:
+        """True when every key and value that some query cannot see holds no NaN/inf.
 
-        Reads every key and value once per call (cached); fused kernels spread NaN/inf of keys a query
-        cannot see to that query (0 * inf), so backends built on them refuse such calls.
+        Only those matter: a fused kernel multiplies a hidden key's probability 0 by its value, so a NaN there
+        would reach a query that cannot see it (0 * NaN), while a NaN that every query sees reaches exactly the
+        queries that see it. Reads only the hidden keys (cached per call): none without a mask in bidirectional
+        attention or when decoding with queries on the last keys; keys after the first query's position under
+        ``is_causal``; the keys a mask hides from some query. Always True on the meta device (no values).
         """
-        return all(t.device.type == "meta" or bool(torch.isfinite(t).all()) for t in (self.key, self.value))
+        key, value = self.key, self.value
+        if key.device.type == "meta":
+            return True
+        lk = self.alignment.key_len
+        hidden = torch.zeros(lk, dtype=torch.bool, device=key.device) if self.mask is not None else None
+        first_hidden = lk  # under is_causal, keys s > delta are hidden from query 0
+        if self.is_causal:
+            first_hidden = max(0, min(lk, self.delta + 1))
+        if self.mask is not None:
+            visible = self.mask if self.mask.dtype == torch.bool else self.mask != float("-inf")
+            # a key hidden from some query of some (batch, head): (Lk,) bool, O(mask size)
+            hidden = ~visible.expand(*visible.shape[:2], self.alignment.query_len, lk).all(dim=2).all(dim=0).all(dim=0) \
+                if self.alignment.query_len else hidden
+            hidden[first_hidden:] = False  # checked below as a slice
+        finite = True
+        if first_hidden < lk:
+            finite = bool(torch.isfinite(key[:, :, first_hidden:]).all()) and bool(torch.isfinite(value[:, :, first_hidden:]).all())
+        if finite and hidden is not None and bool(hidden.any()):
+            index = hidden.nonzero().squeeze(1)
+            finite = bool(torch.isfinite(key.index_select(2, index)).all()) and bool(
+                torch.isfinite(value.index_select(2, index)).all()
+            )
+        return finite
 
     @functools.cached_property
     def key_padding(self) -> torch.Tensor | None:

@@ -87,7 +87,8 @@ def test_priority_order_and_every_backend_keeps_the_contract():
 
 
 def test_explain_backend_names_the_backend_that_runs_when_keys_hold_nan(monkeypatch):
-    """No hand-offs inside backends: a NaN key makes structured refuse, and auto names blockwise, which runs."""
+    """No hand-offs inside backends: a NaN in a key some query cannot see makes structured refuse, and auto names
+    blockwise, which runs; a NaN key every query sees needs no care (it reaches exactly those queries)."""
     monkeypatch.setattr("relbias.dispatch.AUTO_REFERENCE_MAX_SCORES", 0)
     ran = []
     for name in BACKENDS:
@@ -95,14 +96,16 @@ def test_explain_backend_names_the_backend_that_runs_when_keys_hold_nan(monkeypa
         monkeypatch.setattr(backend, "forward", lambda call, f=backend.forward, n=name: ran.append(n) or f(call))
     q, k, v = (torch.randn(1, 2, 40, 4) for _ in range(3))
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
-    assert relbias.explain_backend(q, k, v, bias=bias)[0] == "structured"  # finite keys: structured
     k[0, 1, 7] = float("nan")
-    name, reason = relbias.explain_backend(q, k, v, bias=bias)
-    assert name == "blockwise" and "not structured: a key or value holds NaN/inf" in reason
+    hidden = torch.arange(40) != 7  # key 7 hidden from every query
+    name, reason = relbias.explain_backend(q, k, v, bias=bias, mask=hidden)
+    assert name == "blockwise" and "not structured: a key or value that some query cannot see holds NaN/inf" in reason
     with torch.no_grad():
-        out = relbias.attention(q, k, v, bias=bias)
-    assert ran == ["blockwise"]
-    assert torch.isnan(out[0, 1]).all() and torch.isfinite(out[0, 0]).all()  # the NaN key reaches its head only
+        out = relbias.attention(q, k, v, bias=bias, mask=hidden)
+        seen = relbias.attention(q, k, v, bias=bias)  # every query sees key 7: structured runs
+    assert ran == ["blockwise", "structured"]
+    assert torch.isfinite(out).all()  # the hidden NaN reached nobody
+    assert torch.isnan(seen[0, 1]).all() and torch.isfinite(seen[0, 0]).all()  # the seen one reaches its head only
 
 
 def test_a_backend_without_name_or_summary_is_refused_with_what_it_needs():

@@ -33,10 +33,10 @@ def empty_axis_reasons(call: AttentionCall, kernel: str) -> list[str]:
 
 def non_finite_reasons(call: AttentionCall, kernel: str) -> list[str]:
     """NaN/inf in keys or values, which ``kernel`` (a name) spreads to queries that cannot see them."""
-    if call.keys_and_values_finite:
+    if call.hidden_keys_finite:
         return []
     return [
-        f"a key or value holds NaN/inf, which {kernel} spreads to queries that cannot see it (0 * inf); "
+        f"a key or value that some query cannot see holds NaN/inf, which {kernel} would spread to that query (0 * inf); "
         f"blockwise confines it to the queries that see it"
     ]
 

@@ -39,7 +39,7 @@ class Backend(abc.ABC):
         """Why this backend cannot run ``call``: one sentence per reason; empty when it can.
 
         Must cost O(1) or O(parameters) in the tensors' sizes, apart from the cached
-        :attr:`AttentionCall.keys_and_values_finite`.
+        :attr:`AttentionCall.hidden_keys_finite`.
         """
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:

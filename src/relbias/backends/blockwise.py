@@ -142,7 +142,7 @@ def blockwise_attention(
     query, key, value, alignment = call.query, call.key, call.value, call.alignment
     compute = compute_dtype(query.dtype)
     source, inputs, kind = make_source(call.bias, alignment, call.convention, call.scale, compute, query.device)
-    careful = not call.keys_and_values_finite
+    careful = not call.hidden_keys_finite
     problem = TileProblem(
         query, key, value, call.scale, source, call.mask, call.is_causal, call.delta,
         block_q=block_q or (CAREFUL_BLOCK if careful else BLOCK_Q), block_k=block_k or (CAREFUL_BLOCK if careful else BLOCK_K),

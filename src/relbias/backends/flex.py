@@ -278,7 +278,7 @@ class FlexBackend(Backend):
             reasons.append(f"compiled FlexAttention on CPU does not return the log-sum-exp in torch {torch.__version__}")
         if reasons:
             return reasons
-        if not call.keys_and_values_finite:
+        if not call.hidden_keys_finite:
             return non_finite_reasons(call, "FlexAttention")
         if COMPILE:
             failed = kernel_check(call.query.device, call.query.dtype, call.query.shape[-1], call.value.shape[-1])
