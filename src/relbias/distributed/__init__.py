@@ -3,6 +3,7 @@ exact relative offsets across shards (ring and all-to-all strategies). Shards ca
 merge by log-sum-exp. Public names only."""
 
 from .api import context_parallel_attention
+from .gather import gather_sequence
 from .heads import HeadSliceBias, slice_heads
 from .layout import LAYOUTS, shard, shard_pieces, shard_positions, unshard
 from .merge import merge_partials, part_gradients
@@ -16,6 +17,7 @@ __all__ = [
     "RingStats",
     "block_kind",
     "context_parallel_attention",
+    "gather_sequence",
     "merge_partials",
     "part_gradients",
     "shard",

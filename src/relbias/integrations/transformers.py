@@ -19,6 +19,10 @@ past_seen_tokens)`` for a (1, H, Lq, Lk) bias, hands it to the next layers, and 
 Projections, the KV cache (``EncoderDecoderCache``, ``past_seen_tokens``), masks' construction, cross-attention
 (which has no position bias), feed-forward and generation stay transformers' own code. The model's parameters and
 ``state_dict`` are unchanged.
+
+With ``patch_t5(model, process_group=...)`` every rank runs the model on its shard of each sequence: self-attention
+goes through :func:`relbias.distributed.context_parallel_attention`, and a forward pre-hook on the decoder stack
+all-gathers the encoder's output (and its mask) for transformers' own cross-attention.
 """
 
 from __future__ import annotations
@@ -92,6 +96,15 @@ def check_transformers_version():
     return transformers
 
 
+@dataclass(frozen=True)
+class _ContextParallel:
+    """patch_t5's ``process_group``, ``layout`` and ``strategy``: self-attention on sequence shards."""
+
+    group: object  # a torch.distributed ProcessGroup, or None for the default group
+    layout: str
+    strategy: str
+
+
 @dataclass
 class T5PositionBias:
     """What a patched T5 layer passes where transformers passes its (1, H, Lq, Lk) ``position_bias`` tensor.
@@ -103,6 +116,8 @@ class T5PositionBias:
         query_start: absolute position of the first query, tokens: transformers' ``past_seen_tokens``; keys start at 0.
         backend: relbias backend name, or None for :func:`relbias.attention`'s default (``"auto"``, which picks a
             backend per call, where relbias has the dispatcher).
+        parallel: None, or the process group, layout and strategy of ``patch_t5(..., process_group=)``: the layer's
+            tensors are this rank's sequence shard and attention runs context-parallel.
     """
 
     bias: T5Bias
@@ -110,6 +125,7 @@ class T5PositionBias:
     key_len: int
     query_start: int
     backend: str | None = None
+    parallel: _ContextParallel | None = None
     _mask_cache: list = field(default_factory=list, repr=False)  # [(hf_mask, is_causal, converted)] shared by the stack's layers
 
     def relbias_mask(self, hf_mask: torch.Tensor | None, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
@@ -129,6 +145,9 @@ class _PatchState:
     backend: str | None
     configs: list  # [(attention module, its original config)]
     hooked: list  # attention modules given an instance-level compute_bias
+    parallel: _ContextParallel | None = None
+    handles: list = field(default_factory=list)  # forward (pre-)hook handles (context parallelism)
+    replaced_generate: bool = False  # an instance-level generate refusing under context parallelism
 
 
 def _backend_names() -> set[str]:
@@ -143,8 +162,48 @@ def _compute_bias(attention_module: nn.Module, bias: T5Bias, state: _PatchState,
     if bias.weight is not table:  # the model's parameter was replaced (e.g. load_state_dict(assign=True))
         bias.weight = table
     return T5PositionBias(
-        bias, int(query_length), int(key_length), query_start=int(past_seen_tokens), backend=state.backend
+        bias, int(query_length), int(key_length), query_start=int(past_seen_tokens), backend=state.backend,
+        parallel=state.parallel,
     )
+
+
+def _context_parallel_attention(module, query, key, value, attention_mask, dropout, position_bias, kwargs):
+    """Self-attention of a patched layer on this rank's sequence shard (``patch_t5(..., process_group=)``)."""
+    from ..distributed import context_parallel_attention
+
+    parallel = position_bias.parallel
+    if position_bias.query_start != 0:
+        raise NotImplementedError(
+            "incremental decoding with a KV cache (generation) is not supported under patch_t5(process_group=...): "
+            "the shards of one sequence cannot grow token by token; generate with a model patched without "
+            "process_group (the same weights) on one rank"
+        )
+    if kwargs.get("output_attentions"):
+        raise NotImplementedError(
+            "output_attentions=True is not supported under patch_t5(process_group=...) (the weights would span every "
+            "rank's keys)"
+        )
+    if module.training and float(dropout) > 0:
+        raise NotImplementedError(
+            "attention dropout is not supported under patch_t5(process_group=...); set the model's dropout_rate to 0 "
+            "or call model.eval()"
+        )
+    mask, is_causal = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
+    b, _, local_len, _ = query.shape
+    if mask is None:  # every rank passes a mask (a rank whose shard has no padding too), so the ring exchanges alike
+        mask = torch.ones(b, 1, 1, local_len, dtype=torch.bool, device=query.device)
+    elif mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.dtype != torch.bool:
+        raise ValueError(
+            "under patch_t5(process_group=...) the attention mask must be a key padding mask (this rank's shard of "
+            f"attention_mask, (batch, L/P)), optionally with the causal rule; got a mask of shape {tuple(mask.shape)} "
+            "that is neither"
+        )
+    mask = mask.expand(b, 1, 1, local_len)
+    out = context_parallel_attention(
+        query, key, value, bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
+        group=parallel.group, layout=parallel.layout, strategy=parallel.strategy,
+    )  # (B, H, L/P, D)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def relbias_t5_attention(
@@ -196,6 +255,8 @@ def relbias_t5_attention(
             f"the position bias was made for query_len={position_bias.query_len}, key_len={position_bias.key_len} "
             f"but this layer has {query.shape[2]}, {key.shape[2]}"
         )
+    if position_bias.parallel is not None:
+        return _context_parallel_attention(module, query, key, value, attention_mask, dropout, position_bias, kwargs)
     mask, is_causal = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
     call = dict(
         bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
@@ -238,7 +299,51 @@ def is_patched(model: nn.Module) -> bool:
     return isinstance(getattr(model, _STATE_ATTR, None), _PatchState)
 
 
-def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+def _gather_encoder_states(parallel: _ContextParallel):
+    """A forward pre-hook of the decoder stack: the encoder's hidden states and attention mask, sharded along the
+    sequence, all-gathered into the full memory (differentiable) before cross-attention reads them."""
+    from ..distributed import gather_sequence
+
+    def hook(module, args, kwargs):
+        states = kwargs.get("encoder_hidden_states")
+        if states is None:
+            return None
+        kwargs = dict(kwargs)
+        kwargs["encoder_hidden_states"] = gather_sequence(states, dim=1, group=parallel.group, layout=parallel.layout)
+        mask = kwargs.get("encoder_attention_mask")
+        if mask is not None:
+            kwargs["encoder_attention_mask"] = gather_sequence(mask, dim=1, group=parallel.group, layout=parallel.layout)
+        return args, kwargs
+
+    return hook
+
+
+def _refuse_labels(module, args, kwargs):
+    """A forward pre-hook of the seq2seq model: labels would be shifted right shard by shard (wrong)."""
+    if kwargs.get("labels") is not None and kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
+        raise ValueError(
+            "under patch_t5(process_group=...) pass decoder_input_ids (the full labels shifted right with "
+            "model._shift_right, then sharded) rather than labels alone: shifting each shard right is wrong"
+        )
+    return None
+
+
+def _refuse_generate(*args, **kwargs):
+    raise NotImplementedError(
+        "generate() is not supported under patch_t5(process_group=...): incremental decoding with a KV cache cannot "
+        "run on sequence shards; unpatch_t5(model) and patch_t5(model) without process_group, or generate with a "
+        "copy of the model on one rank"
+    )
+
+
+def patch_t5(
+    model: nn.Module,
+    *,
+    backend: str | None = None,
+    process_group: object = None,
+    layout: str = "contiguous",
+    strategy: str = "ring",
+) -> nn.Module:
     """Make a transformers T5-family model compute its self-attention with :func:`relbias.attention`.
 
     Outputs equal the unpatched model's up to float rounding (fp32: max abs difference <= 1e-5 in the tests) for the
@@ -257,6 +362,25 @@ def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         backend: relbias backend for every self-attention layer: ``"auto"`` or a key of
             ``relbias.backends.BACKENDS``; default None: :func:`relbias.attention`'s default, read at each call
             (``"auto"``: the dispatcher picks by device, dtype, grad mode, mask and length).
+        process_group: None (default) or a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
+            for the default one) over whose ranks every sequence is sharded along its length (context
+            parallelism). Each rank then calls the model with its own shard of ``input_ids`` / ``attention_mask``
+            (and of ``decoder_input_ids`` / ``decoder_attention_mask``), cut with
+            :func:`relbias.distributed.shard` (``dim=1``) in ``layout``, and gets its shard of the outputs
+            (encoder states, decoder states, logits), equal to the unsharded single-process model's. Encoder
+            self-attention runs :func:`relbias.distributed.context_parallel_attention` (the bias table at global
+            positions); decoder self-attention is the same, causal (a causal ring with ``strategy="ring"``);
+            cross-attention stays transformers' own: a forward pre-hook on the decoder stack all-gathers the
+            encoder's last hidden state and its attention mask (:func:`relbias.distributed.gather_sequence`,
+            differentiable), so every rank's decoder shard attends to the whole memory. Under a group: no
+            incremental decoding (``generate`` and a cache with past tokens raise NotImplementedError), no
+            ``output_attentions``, no attention dropout in training, no ``labels`` without ``decoder_input_ids``
+            (shift the full labels, then shard); the loss transformers computes is this rank's mean. Gradients:
+            the ``relative_attention_bias`` tables come back summed over the group (as context_parallel_attention
+            does); every other parameter's gradient is this rank's part, to be summed over the group. Every rank
+            must make the same calls with the same shapes.
+        layout: with ``process_group``: "contiguous" (default) or "zigzag" (:mod:`relbias.distributed.layout`).
+        strategy: with ``process_group``: "ring" (default) or "ulysses" (needs num_heads % P == 0).
 
     Returns:
         ``model``, patched.
@@ -278,6 +402,19 @@ def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_t5(model) first")
     if backend is not None and backend not in _backend_names():
         raise ValueError(f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)")
+    parallel = None
+    if process_group is not None:
+        import torch.distributed as dist
+
+        from ..distributed.layout import check_layout
+        from ..distributed.validate import STRATEGIES
+
+        check_layout(layout)
+        if strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("patch_t5(process_group=...) needs an initialised torch.distributed process group")
+        parallel = _ContextParallel(None if process_group is dist.group.WORLD else process_group, layout, strategy)
 
     stacks = self_attention_modules(model)
     for name, attentions in stacks.items():
@@ -293,7 +430,7 @@ def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, relbias_t5_attention)
     biases = t5_biases_from_model(model, share_weights=True)
-    state = _PatchState(backend=backend, configs=[], hooked=[])
+    state = _PatchState(backend=backend, configs=[], hooked=[], parallel=parallel)
     for name, attentions in stacks.items():
         patched_config = copy.copy(getattr(model, name).config)
         patched_config._attn_implementation = ATTN_IMPLEMENTATION
@@ -303,6 +440,14 @@ def patch_t5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             if module.has_relative_attention_bias:
                 module.compute_bias = functools.partial(_compute_bias, module, bias, state)
                 state.hooked.append(module)
+    if parallel is not None:
+        decoder = getattr(model, "decoder", None)
+        if decoder is not None:
+            state.handles.append(decoder.register_forward_pre_hook(_gather_encoder_states(parallel), with_kwargs=True))
+            state.handles.append(model.register_forward_pre_hook(_refuse_labels, with_kwargs=True))
+        if hasattr(model, "generate"):
+            model.generate = _refuse_generate
+            state.replaced_generate = True
     setattr(model, _STATE_ATTR, state)
     return model
 
@@ -326,5 +471,9 @@ def unpatch_t5(model: nn.Module) -> nn.Module:
         module.config = config
     for module in state.hooked:
         del module.compute_bias  # the instance attribute; the class method shows through again
+    for handle in state.handles:
+        handle.remove()
+    if state.replaced_generate:
+        del model.generate
     delattr(model, _STATE_ATTR)
     return model

@@ -30,7 +30,8 @@ class MultiheadAttention(nn.Module):
     bias it computes what torch's module computes with the same weights (copy
     ``q_proj``/``k_proj``/``v_proj`` into torch's ``in_proj_weight``). The relbias extras are keyword
     arguments: ``position_bias``, ``cross_attention``, ``backend``, ``convention``, ``scale`` here and
-    ``cache``, ``cache_position`` in :meth:`forward`.
+    ``cache``, ``cache_position`` in :meth:`forward`; ``process_group``, ``cp_layout``, ``cp_strategy``
+    run it context-parallel on sequence shards (below).
 
     ``out = out_proj(attention(q_proj(query), k_proj(key), v_proj(value), bias=position_bias, ...))``,
     split into ``num_heads`` heads of ``head_dim = embed_dim // num_heads``. Scores follow the score
@@ -66,6 +67,24 @@ class MultiheadAttention(nn.Module):
             runs "reference".
         convention: score convention ("seed", "additive", "t5"); default the bias module's own.
         scale: score scale; default that of the convention (``1/sqrt(head_dim)``, or 1 for "t5").
+        process_group: None (default: the layer sees whole sequences) or a ``torch.distributed`` process
+            group (``torch.distributed.group.WORLD`` for the default one) over which sequences are sharded
+            along their length (context parallelism). Then every rank of the group calls the layer with its
+            own shard of the query (and, for cross-attention, its shard of the memory, sharded the same way)
+            and gets back its output shard; the result is the single-process layer's on the unsharded
+            inputs, sharded. Self-attention runs :func:`relbias.distributed.context_parallel_attention`
+            (the bias at global positions from ``cp_layout``). Cross-attention projects the local memory
+            shard and all-gathers the keys and values (:func:`relbias.distributed.gather_sequence`,
+            differentiable), then attends with the local queries at their global positions. Under a group:
+            ``need_weights=False`` is required, no ``attn_mask``, ``cache`` or ``cache_position``, and a
+            ``key_padding_mask`` must be bool, (B, S/P), this rank's shard of the full padding mask (every
+            rank passes one or none does); ``backend`` is not used by self-attention. Gradients: the
+            parameters of a self-attention layer's ``position_bias`` come back summed over the group (as
+            ``context_parallel_attention`` does); every other gradient (projections, a cross-attention
+            layer's bias) is this rank's part, to be summed over the group (as data-parallel training does).
+        cp_layout: with ``process_group``, how sequences are sharded: "contiguous" (default; rank r holds
+            positions ``[r·L/P, (r+1)·L/P)``) or "zigzag" (see :mod:`relbias.distributed.layout`).
+        cp_strategy: with ``process_group``, self-attention's strategy: "ring" (default) or "ulysses".
 
     Not supported (a TypeError for the unexpected keyword, never a silent difference): torch's
     ``dropout``, ``bias`` (here ``proj_bias``), ``add_bias_kv``, ``add_zero_attn``.
@@ -103,6 +122,9 @@ class MultiheadAttention(nn.Module):
         backend: str = "auto",
         convention: str | None = None,
         scale: float | None = None,
+        process_group: object = None,
+        cp_layout: str = "contiguous",
+        cp_strategy: str = "ring",
     ) -> None:
         super().__init__()
         _positive_int("embed_dim", embed_dim)
@@ -125,6 +147,13 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"convention must be one of {CONVENTIONS} or None, got {convention!r}")
         if cross_attention and is_causal:
             raise ValueError("is_causal applies to self-attention; a cross-attention layer sees the whole memory")
+        from ..distributed.layout import check_layout
+        from ..distributed.validate import STRATEGIES
+
+        check_layout(cp_layout)
+        if cp_strategy not in STRATEGIES:
+            raise ValueError(f"cp_strategy must be one of {STRATEGIES}, got {cp_strategy!r}")
+        self.process_group, self.cp_layout, self.cp_strategy = process_group, cp_layout, cp_strategy
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.kdim, self.vdim, self.batch_first = kdim, vdim, batch_first
         self.position_bias = position_bias
@@ -226,6 +255,10 @@ class MultiheadAttention(nn.Module):
                 of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot evaluate with
                 clipping off).
         """
+        if self.process_group is not None:
+            return self._forward_context_parallel(
+                query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache, cache_position
+            )
         q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
         batch, q_len = q_in.shape[0], q_in.shape[1]
         if cache_position is not None and (
@@ -282,6 +315,101 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _forward_context_parallel(self, query, key, value, kpm, need_weights, attn_mask, is_causal, cache, cache_position):
+        """forward under ``process_group``: this rank's shards in, this rank's output shard out."""
+        from ..distributed import context_parallel_attention, gather_sequence, shard_pieces
+        import torch.distributed as dist
+
+        if need_weights:
+            raise ValueError(
+                "need_weights=True is not supported with a process_group (the weights would span every rank's "
+                "keys); pass need_weights=False"
+            )
+        if attn_mask is not None:
+            raise ValueError(
+                "attn_mask is not supported with a process_group (a (query, key) mask cannot be sharded along the "
+                "sequence); use is_causal and a key_padding_mask (bool, this rank's shard)"
+            )
+        if cache is not None or cache_position is not None:
+            raise NotImplementedError(
+                "KV caches (cache=, cache_position=) are not supported with a process_group; decode incrementally "
+                "with a layer built without process_group (the same parameters, e.g. load its state_dict)"
+            )
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "MultiheadAttention(process_group=...) needs an initialised torch.distributed; call "
+                "torch.distributed.init_process_group first"
+            )
+        group = None if self.process_group is dist.group.WORLD else self.process_group
+        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+        q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
+        batch, q_len = q_in.shape[0], q_in.shape[1]
+        q = self._heads(self.q_proj(q_in))
+        if self.cross_attention:
+            if key is None:
+                raise ValueError("cross-attention needs the memory as key (and value): this rank's shard of it")
+            k_in, _ = self._to_batch_first("key", key, self.kdim, "kdim", batched)
+            v_in, _ = self._to_batch_first("value", key if value is None else value, self.vdim, "vdim", batched)
+            if k_in.shape[:2] != v_in.shape[:2]:
+                raise ValueError(f"key and value must agree in batch and length, got {tuple(key.shape)} and {tuple(value.shape)}")
+        else:
+            if key is None and value is not None:
+                raise ValueError("value given without key; pass key too (self-attention: usually key = value = query)")
+            k_src = query if key is None else key
+            k_in, _ = self._to_batch_first("key", k_src, self.kdim, "kdim", batched)
+            v_in, _ = self._to_batch_first("value", k_src if value is None else value, self.vdim, "vdim", batched)
+            if k_in.shape[1] != q_len or v_in.shape[1] != q_len:
+                raise ValueError(
+                    f"self-attention keys and values are the query's own tokens: their local length must be the "
+                    f"query's {q_len}, got key {k_in.shape[1]} and value {v_in.shape[1]}"
+                )
+        k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))  # (B, H, S/P, D)
+        local_keys = k.shape[2]
+        keep = None
+        if kpm is not None:
+            if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
+                kind = kpm.dtype if isinstance(kpm, torch.Tensor) else type(kpm).__name__
+                raise TypeError(f"with a process_group, key_padding_mask must be bool (True = padding), got {kind}")
+            expected = (batch, local_keys) if batched else (local_keys,)
+            if tuple(kpm.shape) != expected:
+                raise ValueError(
+                    f"with a process_group, key_padding_mask must be this rank's shard of the padding mask, "
+                    f"{expected} (batch, local key length), got {tuple(kpm.shape)}"
+                )
+            if kpm.device != q.device:
+                raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {q.device}")
+            keep = ~kpm.reshape(batch, 1, 1, local_keys)  # True = may attend
+        if not self.cross_attention:
+            out = context_parallel_attention(
+                q, k, v, bias=self.position_bias, mask=keep, is_causal=self.is_causal or is_causal,
+                scale=self.scale, convention=self.convention, group=group, layout=self.cp_layout,
+                strategy=self.cp_strategy,
+            )
+        else:
+            if is_causal:
+                raise ValueError("is_causal applies to self-attention; a cross-attention layer sees the whole memory")
+            # one collective for both (one backward collective too): (2, B, H, S, D), positions 0 .. S-1
+            k, v = gather_sequence(torch.stack([k, v]), dim=3, group=group, layout=self.cp_layout).unbind(0)
+            if keep is not None:
+                keep = gather_sequence(keep, dim=3, group=group, layout=self.cp_layout)
+            pieces = shard_pieces(q_len * world_size, world_size, rank, self.cp_layout)
+            outs, at = [], 0
+            for start, length in pieces:  # each run of consecutive queries at its global position
+                outs.append(attention(
+                    q[:, :, at : at + length], k, v, bias=self.position_bias, mask=keep, scale=self.scale,
+                    convention=self.convention, query_start=start, key_start=0, backend=self.backend,
+                ))
+                at += length
+            out = torch.cat(outs, dim=2)
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.embed_dim))  # (B, Lq/P, E)
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None
 
     def _memory_kv(self, key, value, cache: KVCache | StaticKVCache | None, batched: bool):
         """Cross-attention keys and values (B, H, Lm, D): from a cache holding the memory, or projected."""
@@ -369,4 +497,5 @@ class MultiheadAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, is_causal={self.is_causal}, "
             f"cross_attention={self.cross_attention}, batch_first={self.batch_first}, backend={self.backend!r}"
+            + ("" if self.process_group is None else f", cp_layout={self.cp_layout!r}, cp_strategy={self.cp_strategy!r}")
         )
