@@ -1,9 +1,9 @@
 """Which attention backend runs a call, and why.
 
-``backend="auto"`` (the default): at most :data:`AUTO_REFERENCE_MAX_SCORES` scores -> the reference
-(materialising is cheaper than tiling there); otherwise the first backend of
-:data:`relbias.backends.BACKENDS` (priority order) with no unsupported reasons and no reasons for auto
-to pass it over. A named backend that cannot run the call raises ValueError with its reasons.
+``backend="auto"`` (the default): the first backend of :data:`relbias.backends.BACKENDS` (priority order)
+with no unsupported reasons and no reasons for auto to pass it over. The small-block rule is one of those
+reasons: the tiled backends step aside for the reference at most
+:data:`relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES` scores, where materialising is cheaper. A named backend that cannot run the call raises ValueError with its reasons.
 :func:`explain_backend` answers the same question without running anything; since backends never hand
 a call to another one, the backend it names is the one that runs.
 """
@@ -17,20 +17,12 @@ from .backends.base import Backend
 from .biases.base import RelativeBias
 from .call import AttentionCall, make_call
 
-__all__ = ["AUTO_REFERENCE_MAX_SCORES", "choose_backend", "explain_backend", "resolve_backend"]
-
-#: "auto" materialises (uses the reference) when B·H·Lq·Lk is at most this many scores (16 MiB in
-#: float32): below it tiling costs more Python overhead than it saves.
-AUTO_REFERENCE_MAX_SCORES = 1 << 22
+__all__ = ["choose_backend", "explain_backend", "resolve_backend"]
 
 
 def choose_backend(call: AttentionCall) -> tuple[Backend, str]:
     """The backend "auto" runs for ``call``, and a sentence saying why (including why earlier ones in
     priority order were passed over)."""
-    if call.num_scores <= AUTO_REFERENCE_MAX_SCORES and "reference" in BACKENDS:
-        return BACKENDS["reference"], (
-            f"small block: {call.num_scores} scores (<= {AUTO_REFERENCE_MAX_SCORES}) are cheaper to materialise"
-        )
     passed = []
     for backend in BACKENDS.values():
         reasons = backend.unsupported_reasons(call) or backend.auto_reasons(call)

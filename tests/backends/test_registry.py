@@ -27,9 +27,9 @@ class EvenKeysBackend(Backend):
 
 @pytest.fixture
 def dummy(monkeypatch):
-    monkeypatch.setattr("relbias.dispatch.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
+    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
     backend = EvenKeysBackend()
-    register_backend(backend, before="flex")  # the one registry line: first in priority order
+    register_backend(backend, before="decode")  # the one registry line: first in priority order
     yield backend
     unregister_backend("even_keys")
 
@@ -47,6 +47,7 @@ def test_a_backend_in_one_class_and_one_registry_line_runs_and_is_chosen_first(d
         relbias.attention(q, k[:, :, :5], v[:, :, :5], bias=bias, backend="even_keys")
     name, reason = relbias.explain_backend(q, k[:, :, :5], v[:, :, :5], bias=bias)
     assert name == "structured" and "not even_keys: key_len 5 is odd" in reason
+    assert "not decode: gradients are needed" in reason  # the bias table requires grad
 
 
 def test_a_backend_must_declare_what_it_cannot_run():
@@ -71,7 +72,7 @@ def test_registry_refuses_duplicates_reserved_names_and_non_backends():
 
 
 def test_priority_order_and_every_backend_keeps_the_contract():
-    assert list(BACKENDS) == ["flex", "structured", "blockwise", "reference"]
+    assert list(BACKENDS) == ["decode", "flex", "structured", "blockwise", "reference"]
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     call = relbias.call.make_call(q, k, v, bias=relbias.T5Bias(2), return_lse=True)
     want, want_lse = reference_attention(call)
@@ -89,7 +90,7 @@ def test_priority_order_and_every_backend_keeps_the_contract():
 def test_explain_backend_names_the_backend_that_runs_when_keys_hold_nan(monkeypatch):
     """No hand-offs inside backends: a NaN in a key some query cannot see makes structured refuse, and auto names
     blockwise, which runs; a NaN key every query sees needs no care (it reaches exactly those queries)."""
-    monkeypatch.setattr("relbias.dispatch.AUTO_REFERENCE_MAX_SCORES", 0)
+    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)
     ran = []
     for name in BACKENDS:
         backend = BACKENDS[name]

@@ -109,7 +109,7 @@ def test_a_huge_positive_bias_on_masked_keys_is_held_back(backend, huge, small_t
             # the same attention without any bias: the huge entry must have had no effect at all
             want = relbias.attention(q, k, v, mask=mask, is_causal=is_causal, convention="additive", backend="reference")
         if isinstance(got, str):
-            assert backend == "structured" and mask is not None
+            assert (backend == "structured" and mask is not None) or (backend == "decode" and "queries" in got)
             continue
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -173,10 +173,11 @@ def test_non_contiguous_expanded_and_differently_sized_value_tensors(backend, sm
         want = relbias.attention(q.contiguous(), k.contiguous(), v.contiguous(), bias=bias, is_causal=True,
                                  backend="reference")
     if isinstance(got, str):
-        assert backend == "structured" and "value head_dim 6 differs from query head_dim 4" in got
-        got = relbias.attention(q, k, v[..., :4], bias=bias, is_causal=True, backend=backend)
-        want = want.new_tensor(relbias.attention(q, k, v[..., :4].contiguous(), bias=bias, is_causal=True,
-                                                 backend="reference"))
+        assert backend in ("structured", "decode") and "value head_dim 6 differs from query head_dim 4" in got
+        with torch.no_grad():
+            got = relbias.attention(q, k, v[..., :4], bias=bias, is_causal=True, backend=backend)
+            want = want.new_tensor(relbias.attention(q, k, v[..., :4].contiguous(), bias=bias, is_causal=True,
+                                                     backend="reference"))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -216,7 +217,7 @@ def test_nan_and_inf_in_keys_a_query_cannot_see_do_not_reach_it(backend, case, s
     with torch.no_grad():
         out = call_or_refusal(backend, q, k, v, bias=bias, mask=mask, is_causal=is_causal)
         if isinstance(out, str):  # fused kernels refuse non-finite keys/values; blockwise runs them
-            assert backend in ("structured", "flex") and "NaN/inf" in out, out
+            assert backend in ("structured", "flex", "decode") and ("NaN/inf" in out or "queries" in out), out
             out = relbias.attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal, backend="blockwise")
     if case == "padding":
         want = relbias.attention(q[:, :, :], k[:, :, :15], v[:, :, :15], bias=bias, query_start=0, backend="reference")
@@ -306,6 +307,9 @@ def test_bias_parameters_in_another_dtype_than_the_inputs(backend, bias_dtype, s
     with torch.no_grad():
         got = call_or_refusal(backend, q, k, v, bias=bias)
         want = relbias.attention(q, k, v, bias=bias, backend="reference")
+    if isinstance(got, str):  # 20 queries: more than a decoding step
+        assert backend == "decode" and "queries" in got, got
+        pytest.skip(got)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     if backend == "flex":

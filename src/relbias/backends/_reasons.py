@@ -6,7 +6,14 @@ import torch
 
 from ..call import AttentionCall
 
-__all__ = ["dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "tensor_bias_reasons"]
+__all__ = [
+    "AUTO_REFERENCE_MAX_SCORES", "dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "small_block_reasons",
+    "tensor_bias_reasons",
+]
+
+#: "auto" passes the tiled backends (flex, structured, blockwise) over for the reference when B·H·Lq·Lk is at
+#: most this many scores (16 MiB in float32): below it tiling costs more Python overhead than it saves.
+AUTO_REFERENCE_MAX_SCORES = 1 << 22
 
 
 def tensor_bias_reasons(call: AttentionCall) -> list[str]:
@@ -49,3 +56,10 @@ def dropout_reasons(call: AttentionCall, kernel: str) -> list[str]:
         f"attention dropout (dropout_p={call.dropout.p}) needs relbias' counter-based mask, which {kernel} does not "
         f"draw; reference and blockwise apply it"
     ]
+
+
+def small_block_reasons(call: AttentionCall) -> list[str]:
+    """The small-block rule, as an auto reason of the tiled backends: few scores are cheaper to materialise."""
+    if call.num_scores > AUTO_REFERENCE_MAX_SCORES:
+        return []
+    return [f"small block: {call.num_scores} scores (<= {AUTO_REFERENCE_MAX_SCORES}) are cheaper to materialise"]

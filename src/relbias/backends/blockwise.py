@@ -23,7 +23,7 @@ from ..call import AttentionCall
 from ..positions import Alignment
 from ._bias_tiles import NativeSource, PairSource
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
-from ._reasons import tensor_bias_reasons
+from ._reasons import small_block_reasons, tensor_bias_reasons
 from .base import Backend
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "BlockwiseBackend", "blockwise_attention", "make_source"]
@@ -120,6 +120,9 @@ class BlockwiseBackend(Backend):
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
         return tensor_bias_reasons(call)
+
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        return small_block_reasons(call)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return blockwise_attention(call)

@@ -37,7 +37,7 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from . import _flex_blocks
 from .base import Backend
-from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
 
 __all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
 
@@ -287,6 +287,8 @@ class FlexBackend(Backend):
         return []
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:
+        if small_block_reasons(call):
+            return small_block_reasons(call)
         if call.query.device.type != "cuda":
             return [f"auto takes flex on CUDA only (on {call.query.device.type}, structured or blockwise run without compiling)"]
         if call.needs_grad:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .base import Backend
 from .blockwise import BlockwiseBackend
+from .decode import DecodeBackend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .structured import StructuredBackend
@@ -57,6 +58,7 @@ def unregister_backend(name: str) -> Backend:
 
 
 _PRIORITY = (
+    DecodeBackend(),  # few queries: the bias rows as one fused kernel's additive mask (CPU, inference)
     FlexBackend(),  # fused with the bias in score_mod; auto takes it on CUDA for inference
     StructuredBackend(),  # far-constant biases: bias-free fused far parts + a tiled band
     BlockwiseBackend(),  # every bias module and mask, any device

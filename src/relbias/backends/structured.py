@@ -39,7 +39,7 @@ from ._bias_tiles import NativeSource
 from ._cpu_flash import fused_available, fused_backward, fused_forward
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
 from .base import Backend
-from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
 from .blockwise import compute_dtype
 
 __all__ = ["BLOCK_Q", "StructuredBackend", "far_distance", "far_parts", "structured_attention"]
@@ -308,6 +308,9 @@ class StructuredBackend(Backend):
         if not ok:
             reasons.append(why)
         return reasons or non_finite_reasons(call, "the fused far parts")
+
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        return small_block_reasons(call)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return structured_attention(call)

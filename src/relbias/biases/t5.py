@@ -60,10 +60,23 @@ class T5Bias(TableBias):
         self.weight = nn.Parameter(torch.randn(num_buckets, num_heads) * init_std)
 
     def index(self, offsets: torch.Tensor) -> torch.Tensor:
-        """Bucket of each offset, :func:`relbias.t5_bucket` with this module's settings."""
-        return t5_bucket(
-            offsets, bidirectional=self.bidirectional, num_buckets=self.num_buckets, max_distance=self.max_distance
-        )
+        """Bucket of each offset, :func:`relbias.t5_bucket` with this module's settings.
+
+        Read from a table of the buckets of offsets ``-max_distance .. max_distance`` (built once per device;
+        every larger distance is in its direction's last bucket, as ``t5_bucket`` clamps it), so a lookup is a
+        clamp and a gather: O(offsets), no logarithms per call.
+        """
+        r = self.max_distance
+        key = str(offsets.device)
+        table = self._bucket_tables.get(key) if hasattr(self, "_bucket_tables") else None
+        if table is None:
+            table = t5_bucket(
+                torch.arange(-r, r + 1, device=offsets.device), bidirectional=self.bidirectional,
+                num_buckets=self.num_buckets, max_distance=r,
+            )
+            if offsets.device.type != "meta":  # a meta table holds no values: rebuild it on a real device
+                self.__dict__.setdefault("_bucket_tables", {})[key] = table
+        return table[offsets.clamp(-r, r) + r]
 
     def bucket_ranges(self) -> list[tuple[int, int | None, int | None]]:
         """Offsets per bucket, as :func:`relbias.t5_bucket_ranges`."""

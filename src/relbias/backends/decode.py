@@ -1,0 +1,95 @@
+"""The decode backend: a few queries against many keys (a decoding step, a short chunk), at the speed of
+bias-free fused attention.
+
+With Lq <= :data:`MAX_QUERIES`, the bias of the whole block is only (H, Lq, Lk): it is looked up from the bias
+module (its native per-offset vector for offset-only families) and added, with the causal and user masks, to one
+additive ``attn_mask`` of PyTorch's CPU flash-attention kernel, which returns the log-sum-exp as well. Nothing of
+K or V is copied or scanned (only keys some query cannot see are checked for NaN/inf, see
+:attr:`relbias.call.AttentionCall.hidden_keys_finite`); a query with no visible key gets output 0 and lse -inf.
+
+Inference only (the kernel gives no gradient for ``attn_mask``, so none for the bias); float32 and float64
+(half-precision masks would round the bias). Source: split-KV decoding (Dao et al. 2023, Flash-Decoding) with the
+bias as an additive mask, as Hugging Face's T5 decoder does with a materialised bias row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..biases.base import RelativeBias
+from ..call import AttentionCall
+from ._cpu_flash import fused_available, fused_forward
+from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from .base import Backend
+
+__all__ = ["MAX_QUERIES", "DecodeBackend", "decode_attention"]
+
+#: Most queries per call (tokens) the decode backend takes: its (B|1, H, Lq, Lk) additive mask stays small.
+MAX_QUERIES = 16
+
+
+def _additive_mask(call: AttentionCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(attn_mask (B|1, H|1, Lq, Lk) in ``dtype``: bias (scaled) + 0 / -inf, visible (B|1, H|1, Lq, Lk) bool)."""
+    a, device = call.alignment, call.query.device
+    add = torch.zeros(1, 1, a.query_len, a.key_len, dtype=dtype, device=device)
+    if isinstance(call.bias, RelativeBias):
+        pe = call.bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
+        add = add + (pe.to(dtype) * call.bias_scale)[None]
+    visible = torch.ones(1, 1, a.query_len, a.key_len, dtype=torch.bool, device=device)
+    if call.is_causal:
+        visible = visible & (a.offsets(device) >= 0)
+    mask = call.mask
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            visible = visible & mask
+        else:
+            visible = visible & (mask != float("-inf"))
+            add = add + mask.to(dtype).masked_fill(mask == float("-inf"), 0.0)
+    return add.masked_fill(~visible, float("-inf")), visible
+
+
+def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention for a call :class:`DecodeBackend` accepts.
+
+    Shapes: query (B, H, Lq, D) with Lq <= :data:`MAX_QUERIES`, key and value (B, H, Lk, D) -> out (B, H, Lq, D)
+    in the dtype of ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf for a query with no
+    visible key. Formula as :func:`relbias.attention`.
+    """
+    attn_mask, visible = _additive_mask(call, call.query.dtype)
+    out, lse = fused_forward(call.query, call.key, call.value, is_causal=False, scale=call.scale, attn_mask=attn_mask)
+    empty = ~visible.any(dim=-1)  # (B|1, H|1, Lq): the kernel returns out 0 and lse 0 there
+    if bool(empty.any()):
+        out = out.masked_fill(empty[..., None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
+    return out, lse
+
+
+class DecodeBackend(Backend):
+    """Few queries against any number of keys: the bias rows as an additive mask of one fused kernel call."""
+
+    name = "decode"
+    summary = (
+        f"few queries (at most {MAX_QUERIES}): the bias rows added to one fused CPU flash-attention call, as "
+        f"fast as bias-free attention; inference"
+    )
+
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "the decode kernel")
+        lq = call.alignment.query_len
+        if lq > MAX_QUERIES:
+            reasons.append(f"{lq} queries; the decode backend takes at most {MAX_QUERIES} (a decoding step or chunk)")
+        if call.needs_grad:
+            reasons.append("gradients are needed; the decode backend is inference only (no gradient for its bias mask)")
+        if call.query.dtype not in (torch.float32, torch.float64):
+            reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias")
+        d, dv = call.query.shape[-1], call.value.shape[-1]
+        if dv != d:
+            reasons.append(f"value head_dim {dv} differs from query head_dim {d}; the fused kernel needs them equal")
+        reasons += empty_axis_reasons(call, "the CPU flash kernel")
+        ok, why = fused_available(call.query.device, call.query.dtype)
+        if not ok:
+            reasons.append(why)
+        return reasons or non_finite_reasons(call, "the decode kernel")
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return decode_attention(call)
