@@ -28,24 +28,28 @@ __all__ = ["MAX_QUERIES", "DecodeBackend", "decode_attention"]
 MAX_QUERIES = 16
 
 
-def _additive_mask(call: AttentionCall, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(attn_mask (B|1, H|1, Lq, Lk) in ``dtype``: bias (scaled) + 0 / -inf, visible (B|1, H|1, Lq, Lk) bool)."""
+def _additive_mask(call: AttentionCall, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(attn_mask (B|1, H|1, Lq, Lk) in ``dtype``: bias (scaled) + 0 / -inf, or None; visible (B|1, H|1, Lq, Lk)
+    bool, or None when every query sees every key (a decoding step: queries on the last keys)."""
     a, device = call.alignment, call.query.device
-    add = torch.zeros(1, 1, a.query_len, a.key_len, dtype=dtype, device=device)
+    visible = None
+    if call.is_causal and call.delta < a.key_len - 1:  # some key lies after the first query
+        visible = (a.offsets(device) >= 0)[None, None]
+    add = None
     if isinstance(call.bias, RelativeBias):
         pe = call.bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
-        add = add + (pe.to(dtype) * call.bias_scale)[None]
-    visible = torch.ones(1, 1, a.query_len, a.key_len, dtype=torch.bool, device=device)
-    if call.is_causal:
-        visible = visible & (a.offsets(device) >= 0)
+        add = (pe.to(dtype) * call.bias_scale)[None]
     mask = call.mask
     if mask is not None:
-        if mask.dtype == torch.bool:
-            visible = visible & mask
-        else:
-            visible = visible & (mask != float("-inf"))
-            add = add + mask.to(dtype).masked_fill(mask == float("-inf"), 0.0)
-    return add.masked_fill(~visible, float("-inf")), visible
+        seen = mask if mask.dtype == torch.bool else mask != float("-inf")
+        visible = seen if visible is None else visible & seen
+        if mask.is_floating_point():
+            finite = mask.to(dtype).masked_fill(~seen, 0.0)
+            add = finite if add is None else add + finite
+    if visible is not None:
+        base = add if add is not None else torch.zeros((), dtype=dtype, device=device)
+        add = base.masked_fill(~visible, float("-inf"))
+    return add, visible
 
 
 def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +61,11 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     """
     attn_mask, visible = _additive_mask(call, call.query.dtype)
     out, lse = fused_forward(call.query, call.key, call.value, is_causal=False, scale=call.scale, attn_mask=attn_mask)
-    empty = ~visible.any(dim=-1)  # (B|1, H|1, Lq): the kernel returns out 0 and lse 0 there
-    if bool(empty.any()):
-        out = out.masked_fill(empty[..., None], 0.0)
-        lse = lse.masked_fill(empty, float("-inf"))
+    if visible is not None:
+        empty = ~visible.any(dim=-1)  # (B|1, H|1, Lq): the kernel returns out 0 and lse 0 there
+        if bool(empty.any()):
+            out = out.masked_fill(empty[..., None], 0.0)
+            lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
 
 
