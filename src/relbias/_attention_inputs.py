@@ -93,7 +93,7 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
     if bias.device != query.device:
         raise ValueError(f"the bias tensor is on {bias.device} but query is on {query.device}")
     check_broadcast("bias", bias, target, "(batch, num_heads, query_len, key_len)")
-    if not bool(torch.isfinite(bias).all()):
+    if not torch.compiler.is_compiling() and not bool(torch.isfinite(bias).all()):  # a value check: eager only
         raise ValueError("the bias tensor contains NaN or inf; pass -inf masking through mask=, not bias=")
 
 
@@ -106,6 +106,8 @@ def check_finite_parameters(bias: RelativeBias) -> None:
     Raises:
         ValueError: naming the family, the parameter and the first non-finite entry.
     """
+    if torch.compiler.is_compiling():  # value checks read data: eager calls make them, compiled graphs do not
+        return
     for name, param in bias.named_parameters():
         if param.device.type == "meta" or param.numel() == 0:
             continue
@@ -136,7 +138,9 @@ def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int
             f"(True = may attend)"
         )
     check_broadcast("mask", mask, target, "(batch, num_heads, query_len, key_len)")
-    if mask.is_floating_point() and bool((torch.isnan(mask) | (mask == float("inf"))).any()):
+    if mask.is_floating_point() and not torch.compiler.is_compiling() and bool(
+        (torch.isnan(mask) | (mask == float("inf"))).any()
+    ):
         raise ValueError("a float mask may hold finite values and -inf only; it contains NaN or +inf")
 
 
@@ -172,10 +176,17 @@ def _check_no_visible_future(mask, is_causal, alignment, device) -> None:
     """A causal-only bias has no value for future keys: some mask must hide every one of them."""
     if is_causal or alignment.min_offset >= 0:
         return
-    future = alignment.offsets(device) < 0
-    if mask is not None:
+    if mask is None:  # every future key is visible: decided by the positions alone (no tensor read)
+        future_visible = True
+    elif torch.compiler.is_compiling():
+        return  # a value check: eager calls make it
+    else:
+        future_visible = None
+    future = alignment.offsets(device) < 0 if future_visible is None else None
+    if future is not None:
         future = future & (mask if mask.dtype == torch.bool else mask != float("-inf"))
-    if bool(future.any()):
+        future_visible = bool(future.any())
+    if future_visible:
         raise ValueError(
             "the bias is causal (bidirectional=False) and has no value for future keys (offset i - j < 0), "
             "but some future key is visible; pass is_causal=True or a mask that hides future keys"

@@ -122,7 +122,8 @@ def t5_bucket(
 
     Source: Raffel et al. 2020, JMLR, §2.1; Mesh TensorFlow ``_relative_position_bucket``.
     """
-    validate_t5_buckets(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    if not torch.compiler.is_compiling():  # settings are plain numbers: checked once eagerly (T5Bias: at construction)
+        validate_t5_buckets(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
     if isinstance(offset, bool):
         raise TypeError("offset must be an int or an integer tensor, got a bool")
     if isinstance(offset, int):
@@ -167,7 +168,8 @@ def t5_bucket_ranges(
         >>> t5_bucket_ranges(bidirectional=False, num_buckets=32, max_distance=128)[16:18]
         [(16, 16, 18), (17, 19, 20)]
     """
-    validate_t5_buckets(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    if not torch.compiler.is_compiling():  # settings are plain numbers: checked once eagerly (T5Bias: at construction)
+        validate_t5_buckets(bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
     limit = min(max_distance, _SCAN_LIMIT) + 1  # every bucket is first reached at a distance <= this
     distances = torch.arange(0, limit + 1)
     ranges: dict[int, tuple[int | None, int | None]] = {b: (None, None) for b in range(num_buckets)}

@@ -8,9 +8,8 @@ names and the reasons it gives are those of the real call.
 
 from __future__ import annotations
 
-import functools
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -57,6 +56,7 @@ class AttentionCall:
     alignment: Alignment
     return_lse: bool = False
     dropout: Dropout | None = None
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)  # derived values, computed once
 
     @property
     def bias_scale(self) -> float:
@@ -79,8 +79,12 @@ class AttentionCall:
         b, h, lq, _ = self.query.shape
         return b * h * lq * self.alignment.key_len
 
-    @functools.cached_property
+    @property
     def needs_grad(self) -> bool:
+        """Whether autograd will ask for a gradient (grad mode on, and an input or bias parameter requires it)."""
+        return self._cached("needs_grad", self._needs_grad)
+
+    def _needs_grad(self) -> bool:
         """Whether autograd will ask for a gradient: grad mode on and an input or bias parameter requires it."""
         if not torch.is_grad_enabled():
             return False
@@ -91,8 +95,13 @@ class AttentionCall:
             tensors.append(self.bias)
         return any(t.requires_grad for t in tensors)
 
-    @functools.cached_property
+    @property
     def hidden_keys_finite(self) -> bool:
+        """True when no key or value that some query cannot see holds NaN/inf (see :meth:`_hidden_keys_finite`);
+        computed once per call, True without reading values under torch.compile or on the meta device."""
+        return self._cached("hidden_keys_finite", self._hidden_keys_finite)
+
+    def _hidden_keys_finite(self) -> bool:
         """True when every key and value that some query cannot see holds no NaN/inf.
 
         Only those matter: a fused kernel multiplies a hidden key's probability 0 by its value, so a NaN there
@@ -102,7 +111,7 @@ class AttentionCall:
         ``is_causal``; the keys a mask hides from some query. Always True on the meta device (no values).
         """
         key, value = self.key, self.value
-        if key.device.type == "meta":
+        if key.device.type == "meta" or torch.compiler.is_compiling():  # no values / a compiled graph: not read
             return True
         lk = self.alignment.key_len
         hidden = torch.zeros(lk, dtype=torch.bool, device=key.device) if self.mask is not None else None
@@ -125,8 +134,18 @@ class AttentionCall:
             )
         return finite
 
-    @functools.cached_property
+    @property
     def key_padding(self) -> torch.Tensor | None:
+        """The (Bm, Hm, Lk) bool view of the mask when it is a key padding mask, else None (see :meth:`_key_padding`)."""
+        return self._cached("key_padding", self._key_padding)
+
+    def _cached(self, name: str, compute):
+        """A derived value, computed on first use and kept for the call (a plain dict: torch.compile traces it)."""
+        if name not in self._cache:
+            self._cache[name] = compute()
+        return self._cache[name]
+
+    def _key_padding(self) -> torch.Tensor | None:
         """The (Bm, Hm, Lk) bool view of the mask when it is a key padding mask, else None.
 
         A key padding mask is bool with query dimension 1: (B or 1, H or 1, 1, Lk or 1); Bm and Hm are

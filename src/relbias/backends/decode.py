@@ -63,9 +63,8 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = fused_forward(call.query, call.key, call.value, is_causal=False, scale=call.scale, attn_mask=attn_mask)
     if visible is not None:
         empty = ~visible.any(dim=-1)  # (B|1, H|1, Lq): the kernel returns out 0 and lse 0 there
-        if bool(empty.any()):
-            out = out.masked_fill(empty[..., None], 0.0)
-            lse = lse.masked_fill(empty, float("-inf"))
+        out = out.masked_fill(empty[..., None], 0.0)
+        lse = lse.masked_fill(empty, float("-inf"))
     return out, lse
 
 

@@ -93,7 +93,7 @@ def reference_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
     if call.dropout is not None:  # dropout on the probabilities, after the lse (Vaswani et al. 2017, §5.4)
         b, h, lq, _ = query.shape
         probs = probs * call.dropout.scale_tile(b, h, 0, lq, 0, alignment.key_len, query.device, compute)
-    if v.device.type == "meta" or bool(torch.isfinite(v).all()):  # meta tensors hold no values to check
+    if v.device.type == "meta" or torch.compiler.is_compiling() or bool(torch.isfinite(v).all()):  # meta: no values
         return (probs @ v).to(query.dtype), lse  # (B, H, Lq, Dv)
     # NaN/inf values must reach only the queries that see them, not others through 0 * NaN: sum the
     # visible products explicitly ((B, H, Lq, Lk, Dv) memory; only taken when values are non-finite).

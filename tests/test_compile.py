@@ -1,0 +1,63 @@
+"""torch.compile (issue 11, item 4, in part): relbias.attention and relbias.nn.MultiheadAttention compile with
+fullgraph=True on the reference, blockwise and decode paths (inference), equal eager, with no graph break, and a
+length change alone does not recompile without bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relbias
+
+PATHS = [("reference", 12), ("blockwise", 12), ("decode", 3)]  # (backend, query length)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend, lq", PATHS)
+def test_attention_compiles_whole_and_equals_eager(backend, lq):
+    bias = relbias.T5Bias(2, bidirectional=False, init_std=1.0)
+    q, k = torch.randn(2, 2, lq, 8), torch.randn(2, 2, 12, 8)
+    mask = torch.ones(2, 1, 1, 12, dtype=torch.bool)
+    mask[1, ..., :2] = False
+
+    def f(q, k, v):
+        return relbias.attention(q, k, v, bias=bias, mask=mask, is_causal=True, backend=backend)
+
+    with torch.no_grad():
+        explained = torch._dynamo.explain(f)(q, k, k)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, k), f(q, k, k), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend, lq", PATHS)
+def test_multihead_attention_compiles_whole_and_equals_eager(backend, lq):
+    bias = relbias.T5Bias(2, bidirectional=False, init_std=1.0)
+    layer = relbias.nn.MultiheadAttention(16, 2, batch_first=True, position_bias=bias, is_causal=True, backend=backend)
+    x = torch.randn(2, lq, 16)
+
+    def f(x):
+        return layer(x, x, x, need_weights=False)[0]
+
+    with torch.no_grad():
+        assert torch._dynamo.explain(f)(x).graph_break_count == 0
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(x), f(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_length_change_alone_does_not_recompile_without_bound():
+    bias = relbias.ALiBiBias(2)
+    compiled = torch.compile(lambda q, k: relbias.attention(q, k, k, bias=bias, is_causal=True, backend="decode"))
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for n in range(20, 30):  # ten cache lengths, one query each
+            q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, n, 8)
+            torch.testing.assert_close(compiled(q, k), relbias.attention(q, k, k, bias=bias, is_causal=True))
+    assert counters["stats"]["unique_graphs"] - before <= 2  # one static graph, then one with dynamic lengths
