@@ -42,3 +42,16 @@ def test_finite_parameters_pass_and_meta_parameters_are_not_read():
     meta = relbias.T5Bias(2).to("meta")
     qm = q.to("meta")
     assert relbias.attention(qm, qm, qm, bias=meta, backend="reference").shape == (1, 2, 5, 4)
+
+
+def test_a_parameter_changed_after_a_checked_call_is_checked_again():
+    bias = relbias.T5Bias(2)
+    q = torch.randn(1, 2, 5, 4)
+    relbias.attention(q, q, q, bias=bias)  # checked and remembered
+    with torch.no_grad():
+        bias.weight[0, 0] = float("nan")  # in place: a new version of the parameter
+    with pytest.raises(ValueError, match=r"holds nan at entry \[0, 0\]"):
+        relbias.attention(q, q, q, bias=bias)
+    bias.weight = torch.nn.Parameter(torch.full((32, 2), float("inf")))  # replaced: another storage
+    with pytest.raises(ValueError, match="holds inf"):
+        relbias.attention(q, q, q, bias=bias)

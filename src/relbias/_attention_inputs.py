@@ -100,15 +100,20 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
 def check_finite_parameters(bias: RelativeBias) -> None:
     """Refuse a bias module whose parameters hold NaN/inf (every output reading them would be NaN).
 
-    Costs O(parameters) per call (one reduction per parameter tensor); parameters on the meta device,
-    which hold no values, are skipped.
+    Costs O(parameters) when a parameter changed since the last check (its autograd version counter or
+    storage), else O(1): decoding steps and inference re-read nothing. Parameters on the meta device, which
+    hold no values, and calls being compiled are skipped.
 
     Raises:
         ValueError: naming the family, the parameter and the first non-finite entry.
     """
     if torch.compiler.is_compiling():  # value checks read data: eager calls make them, compiled graphs do not
         return
-    for name, param in bias.named_parameters():
+    params = list(bias.named_parameters())
+    stamp = tuple((name, p.data_ptr(), p._version) for name, p in params)
+    if bias.__dict__.get("_finite_stamp") == stamp:
+        return
+    for name, param in params:
         if param.device.type == "meta" or param.numel() == 0:
             continue
         finite = torch.isfinite(param.detach())
@@ -119,6 +124,7 @@ def check_finite_parameters(bias: RelativeBias) -> None:
                 f"{type(bias).__name__} parameter {name!r} holds {value} at entry {list(entry)}; every output that "
                 f"reads it would be NaN (reinitialise or reload the parameter)"
             )
+    bias.__dict__["_finite_stamp"] = stamp
 
 
 def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int, ...]) -> None:
