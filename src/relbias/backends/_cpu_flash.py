@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fused_available", "fused_backward", "fused_forward"]
+from ._reasons import empty_axis_reasons
+
+__all__ = ["cpu_flash_reasons", "fused_available", "fused_backward", "fused_forward"]
 
 
 def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
@@ -26,6 +28,19 @@ def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str
     if dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         return False, f"the CPU flash kernel does not take {dtype}"
     return True, "CPU flash-attention kernel with log-sum-exp"
+
+
+def cpu_flash_reasons(call) -> list[str]:
+    """Why the CPU flash kernel cannot run ``call`` (an AttentionCall): value head_dim, empty axes, device, dtype."""
+    reasons = []
+    d, dv = call.query.shape[-1], call.value.shape[-1]
+    if dv != d:
+        reasons.append(f"value head_dim {dv} differs from query head_dim {d}; the fused kernel needs them equal")
+    reasons += empty_axis_reasons(call, "the CPU flash kernel")
+    ok, why = fused_available(call.query.device, call.query.dtype)
+    if not ok:
+        reasons.append(why)
+    return reasons
 
 
 def fused_forward(

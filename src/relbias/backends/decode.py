@@ -18,8 +18,8 @@ import torch
 
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
-from ._cpu_flash import fused_available, fused_forward
-from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, tensor_bias_reasons
+from ._cpu_flash import cpu_flash_reasons, fused_forward
+from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
 from .base import Backend
 
 __all__ = ["MAX_QUERIES", "DecodeBackend", "decode_attention"]
@@ -86,13 +86,7 @@ class DecodeBackend(Backend):
             reasons.append("gradients are needed; the decode backend is inference only (no gradient for its bias mask)")
         if call.query.dtype not in (torch.float32, torch.float64):
             reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias")
-        d, dv = call.query.shape[-1], call.value.shape[-1]
-        if dv != d:
-            reasons.append(f"value head_dim {dv} differs from query head_dim {d}; the fused kernel needs them equal")
-        reasons += empty_axis_reasons(call, "the CPU flash kernel")
-        ok, why = fused_available(call.query.device, call.query.dtype)
-        if not ok:
-            reasons.append(why)
+        reasons += cpu_flash_reasons(call)
         return reasons or non_finite_reasons(call, "the decode kernel")
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,10 +36,10 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ..positions import Alignment
 from ._bias_tiles import NativeSource
-from ._cpu_flash import fused_available, fused_backward, fused_forward
+from ._cpu_flash import cpu_flash_reasons, fused_backward, fused_forward
+from ._reasons import dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
 from .base import Backend
-from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
 from .blockwise import compute_dtype
 
 __all__ = ["BLOCK_Q", "StructuredBackend", "far_distance", "far_parts", "structured_attention"]
@@ -300,13 +300,7 @@ class StructuredBackend(Backend):
                 "the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk); the fused far parts take only "
                 "that (float masks and masks with a query dimension go to blockwise)"
             )
-        d, dv = call.query.shape[-1], call.value.shape[-1]
-        if dv != d:
-            reasons.append(f"value head_dim {dv} differs from query head_dim {d}; the fused kernel needs them equal")
-        reasons += empty_axis_reasons(call, "the CPU flash kernel")
-        ok, why = fused_available(call.query.device, call.query.dtype)
-        if not ok:
-            reasons.append(why)
+        reasons += cpu_flash_reasons(call)
         return reasons or non_finite_reasons(call, "the fused far parts")
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:
