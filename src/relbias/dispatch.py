@@ -25,7 +25,9 @@ def choose_backend(call: AttentionCall) -> tuple[Backend, str]:
     priority order were passed over)."""
     passed = []
     for backend in BACKENDS.values():
-        reasons = backend.unsupported_reasons(call) or backend.auto_reasons(call)
+        # auto's own reasons first: they are cheap, and a backend auto passes over anyway need not run its
+        # costlier checks (flex's one-time compiled probe, the scan of hidden keys)
+        reasons = backend.auto_reasons(call) or backend.unsupported_reasons(call)
         if not reasons:
             why = backend.summary
             return backend, why + (f" (not {'; not '.join(passed)})" if passed else "")

@@ -119,3 +119,14 @@ def test_a_backend_without_name_or_summary_is_refused_with_what_it_needs():
 
     with pytest.raises(TypeError, match="Nameless needs a class attribute 'name'"):
         register_backend(Nameless())
+
+
+def test_auto_does_not_run_checks_of_a_backend_it_passes_over_anyway(monkeypatch):
+    """On CPU auto never takes flex: it must not pay flex's one-time compiled probe to find that out."""
+    from relbias.backends import flex
+
+    monkeypatch.setattr(flex, "kernel_check", lambda *args: pytest.fail("flex's probe ran for a call auto gives to another"))
+    q = torch.randn(1, 8, 1024, 64)
+    with torch.no_grad():
+        name, reason = relbias.explain_backend(q, q, q, bias=relbias.ALiBiBias(8), is_causal=True)
+    assert name == "blockwise" and "not flex: auto takes flex on CUDA only" in reason

@@ -45,7 +45,8 @@ class Backend(abc.ABC):
     def auto_reasons(self, call: AttentionCall) -> list[str]:
         """Why ``backend="auto"`` passes this backend over although it could run ``call`` (default none).
 
-        A user who names the backend still gets it; the reasons are shown by ``explain_backend``.
+        A user who names the backend still gets it; the reasons are shown by ``explain_backend``. ``auto`` asks
+        these before :meth:`unsupported_reasons`, so they must be cheap and must not assume the call is supported.
         """
         return []
 
