@@ -7,36 +7,20 @@ message in flight; with 4 processes, some cases again in two process groups of 2
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import sys
 import traceback
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import _cases  # noqa: E402  (this script's folder is sys.path[0])
+from _spawn import rank_session  # noqa: E402
 
 
 def main() -> None:
-    rank, world_size, init_file, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    torch.set_num_threads(1)
-    results: dict = {"comparisons": {}, "refusals": {}}
-
-    def save() -> None:
-        tmp = out_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(results, f)
-        os.replace(tmp, out_path)
-
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=45),
-    )
-    try:
+    with rank_session(sys.argv) as (rank, world_size, results, save):
         cases = _cases.comparison_cases()
         for case in cases + cases[:1]:
             try:
@@ -57,11 +41,6 @@ def main() -> None:
                 except Exception:  # noqa: BLE001 - reported to the test
                     results["comparisons"]["subgroup:" + case.name] = {"exception": traceback.format_exc()}
                 save()
-        dist.barrier()
-        results["done"] = True
-        save()
-    finally:
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -8,57 +8,22 @@ timeout, and the process group destroyed in a ``finally``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ._cases import REFUSALS, SUBGROUP_CASES, comparison_cases
+from ._spawn import run_ranks
 
 WORKER = Path(__file__).with_name("_worker.py")
 WORLD_SIZES = (2, 4)
 JOIN_TIMEOUT_S = 240
 
 
-def _run_group(world_size: int, folder: Path) -> list[dict]:
-    """Start ``world_size`` worker processes, wait for them (with a timeout), return each rank's results."""
-    folder.mkdir()
-    init_file, env = folder / "rendezvous", dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    outs = [folder / f"rank{r}.json" for r in range(world_size)]
-    logs = [open(folder / f"rank{r}.log", "w") for r in range(world_size)]
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(world_size), str(init_file), str(outs[r])],
-                         stdout=logs[r], stderr=subprocess.STDOUT, env=env)
-        for r in range(world_size)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=JOIN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        for f in logs:
-            f.close()
-    results = []
-    for r in range(world_size):
-        data = json.loads(outs[r].read_text()) if outs[r].exists() else {}
-        data["returncode"] = procs[r].returncode
-        data["log"] = (folder / f"rank{r}.log").read_text()[-4000:]
-        results.append(data)
-    return results
-
-
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory) -> dict[int, list[dict]]:
     base = tmp_path_factory.mktemp("context_parallel")
-    return {p: _run_group(p, base / f"world{p}") for p in WORLD_SIZES}
+    return {p: run_ranks(WORKER, p, base / f"world{p}", timeout_s=JOIN_TIMEOUT_S) for p in WORLD_SIZES}
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -9,10 +9,6 @@ destroyed in a ``finally``.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +16,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras install it)")
 
 from ._module_cases import MHA_CASES, REFUSALS, T5_CASES, hf_helpers  # noqa: E402
+from ._spawn import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("_module_worker.py")
 WORLD_SIZE = 2
@@ -30,34 +27,7 @@ JOIN_TIMEOUT_S = 180
 def ranks(tmp_path_factory) -> list[dict]:
     """Start the worker processes, wait for them (with a timeout), return each rank's results."""
     folder = tmp_path_factory.mktemp("modules_cp")
-    init_file = folder / "rendezvous"
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1")
-    outs = [folder / f"rank{r}.json" for r in range(WORLD_SIZE)]
-    logs = [open(folder / f"rank{r}.log", "w") for r in range(WORLD_SIZE)]
-    procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), str(WORLD_SIZE), str(init_file), str(outs[r])],
-                         stdout=logs[r], stderr=subprocess.STDOUT, env=env)
-        for r in range(WORLD_SIZE)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=JOIN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-        for f in logs:
-            f.close()
-    results = []
-    for r in range(WORLD_SIZE):
-        data = json.loads(outs[r].read_text()) if outs[r].exists() else {}
-        data["returncode"] = procs[r].returncode
-        data["log"] = (folder / f"rank{r}.log").read_text()[-4000:]
-        results.append(data)
-    return results
+    return run_ranks(WORKER, WORLD_SIZE, folder, timeout_s=JOIN_TIMEOUT_S, env={"HF_HUB_OFFLINE": "1"})
 
 
 def _check(ranks, case):
