@@ -275,17 +275,7 @@ class MultiheadAttention(nn.Module):
         if self.cross_attention:
             k, v = self._memory_kv(key, value, cache, batched)
         else:
-            if key is None and value is not None:
-                raise ValueError("value given without key; pass key too (self-attention: usually key = value = query)")
-            k_src = query if key is None else key
-            k_in, _ = self._to_batch_first("key", k_src, self.kdim, "kdim", batched)
-            v_in, _ = self._to_batch_first("value", k_src if value is None else value, self.vdim, "vdim", batched)
-            if k_in.shape[1] != q_len or v_in.shape[1] != q_len:
-                raise ValueError(
-                    f"self-attention keys and values are the query's own tokens: their length must be the "
-                    f"query's {q_len}, got key {k_in.shape[1]} and value {v_in.shape[1]} (cross_attention=True "
-                    f"attends to another sequence)"
-                )
+            k_in, v_in = self._self_key_value(query, key, value, q_len, batched)
             k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))
             if cache is not None:
                 k, v = cache.update(k, v, start)
@@ -356,16 +346,7 @@ class MultiheadAttention(nn.Module):
             if k_in.shape[:2] != v_in.shape[:2]:
                 raise ValueError(f"key and value must agree in batch and length, got {tuple(key.shape)} and {tuple(value.shape)}")
         else:
-            if key is None and value is not None:
-                raise ValueError("value given without key; pass key too (self-attention: usually key = value = query)")
-            k_src = query if key is None else key
-            k_in, _ = self._to_batch_first("key", k_src, self.kdim, "kdim", batched)
-            v_in, _ = self._to_batch_first("value", k_src if value is None else value, self.vdim, "vdim", batched)
-            if k_in.shape[1] != q_len or v_in.shape[1] != q_len:
-                raise ValueError(
-                    f"self-attention keys and values are the query's own tokens: their local length must be the "
-                    f"query's {q_len}, got key {k_in.shape[1]} and value {v_in.shape[1]}"
-                )
+            k_in, v_in = self._self_key_value(query, key, value, q_len, batched)
         k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))  # (B, H, S/P, D)
         local_keys = k.shape[2]
         keep = None
@@ -410,6 +391,26 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
+
+    def _self_key_value(self, query, key, value, q_len: int, batched: bool | None):
+        """Self-attention's key and value inputs, batch first: default the query's own tokens, which they must be.
+
+        Raises:
+            ValueError: a value without a key, or keys / values of another length than the query's ``q_len``
+                (under a process group: the local shard's length).
+        """
+        if key is None and value is not None:
+            raise ValueError("value given without key; pass key too (self-attention: usually key = value = query)")
+        k_src = query if key is None else key
+        k_in, _ = self._to_batch_first("key", k_src, self.kdim, "kdim", batched)
+        v_in, _ = self._to_batch_first("value", k_src if value is None else value, self.vdim, "vdim", batched)
+        if k_in.shape[1] != q_len or v_in.shape[1] != q_len:
+            raise ValueError(
+                f"self-attention keys and values are the query's own tokens: their length must be the "
+                f"query's {q_len}, got key {k_in.shape[1]} and value {v_in.shape[1]} (cross_attention=True "
+                f"attends to another sequence)"
+            )
+        return k_in, v_in
 
     def _memory_kv(self, key, value, cache: KVCache | StaticKVCache | None, batched: bool):
         """Cross-attention keys and values (B, H, Lm, D): from a cache holding the memory, or projected."""
