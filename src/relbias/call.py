@@ -113,26 +113,21 @@ class AttentionCall:
         key, value = self.key, self.value
         if key.device.type == "meta" or torch.compiler.is_compiling():  # no values / a compiled graph: not read
             return True
-        lk = self.alignment.key_len
-        hidden = torch.zeros(lk, dtype=torch.bool, device=key.device) if self.mask is not None else None
-        first_hidden = lk  # under is_causal, keys s > delta are hidden from query 0
-        if self.is_causal:
-            first_hidden = max(0, min(lk, self.delta + 1))
-        if self.mask is not None:
+        lq, lk = self.alignment.query_len, self.alignment.key_len
+        # under is_causal, keys s > delta are hidden from query 0: one slice
+        first_hidden = max(0, min(lk, self.delta + 1)) if self.is_causal else lk
+        masked = None  # keys before that slice which the mask hides from some query of some (batch, head)
+        if self.mask is not None and lq:
             visible = self.mask if self.mask.dtype == torch.bool else self.mask != float("-inf")
-            # a key hidden from some query of some (batch, head): (Lk,) bool, O(mask size)
-            hidden = ~visible.expand(*visible.shape[:2], self.alignment.query_len, lk).all(dim=2).all(dim=0).all(dim=0) \
-                if self.alignment.query_len else hidden
-            hidden[first_hidden:] = False  # checked below as a slice
-        finite = True
-        if first_hidden < lk:
-            finite = bool(torch.isfinite(key[:, :, first_hidden:]).all()) and bool(torch.isfinite(value[:, :, first_hidden:]).all())
-        if finite and hidden is not None and bool(hidden.any()):
-            index = hidden.nonzero().squeeze(1)
-            finite = bool(torch.isfinite(key.index_select(2, index)).all()) and bool(
-                torch.isfinite(value.index_select(2, index)).all()
-            )
-        return finite
+            masked = ~visible.expand(*visible.shape[:2], lq, lk).all(dim=2).reshape(-1, lk).all(dim=0)  # (Lk,)
+            masked[first_hidden:] = False
+
+        def finite(rows) -> bool:
+            return bool(torch.isfinite(key[:, :, rows]).all()) and bool(torch.isfinite(value[:, :, rows]).all())
+
+        if first_hidden < lk and not finite(slice(first_hidden, None)):
+            return False
+        return masked is None or not bool(masked.any()) or finite(masked.nonzero().squeeze(1))
 
     @property
     def key_padding(self) -> torch.Tensor | None:

@@ -67,15 +67,16 @@ class T5Bias(TableBias):
         clamp and a gather: O(offsets), no logarithms per call.
         """
         r = self.max_distance
+        tables = self.__dict__.setdefault("_bucket_tables", {})  # device -> table (not state: rebuilt on demand)
         key = str(offsets.device)
-        table = self._bucket_tables.get(key) if hasattr(self, "_bucket_tables") else None
+        table = tables.get(key)
         if table is None:
             table = t5_bucket(
                 torch.arange(-r, r + 1, device=offsets.device), bidirectional=self.bidirectional,
                 num_buckets=self.num_buckets, max_distance=r,
             )
             if offsets.device.type != "meta":  # a meta table holds no values: rebuild it on a real device
-                self.__dict__.setdefault("_bucket_tables", {})[key] = table
+                tables[key] = table
         return table[offsets.clamp(-r, r) + r]
 
     def bucket_ranges(self) -> list[tuple[int, int | None, int | None]]:
