@@ -78,13 +78,29 @@ def fused_backward(
     is_causal: bool,
     scale: float,
     attn_mask: torch.Tensor | None = None,
+    lse_grad: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`fused_forward` given any (out, lse): with the merged output and the global lse
     (minus the part's constant bias) it returns exactly this part's share of dq, dk, dv, because the
     kernel forms ``p = exp(scale * q . k - lse)`` and ``D = dO . out`` from what it is given. ``attn_mask``:
-    the one given to :func:`fused_forward`."""
+    the one given to :func:`fused_forward`.
+
+    ``lse_grad``: None or the gradient (B, H, Lq) of the log-sum-exp. The kernel forms ``D_i = dO_i . out_i``
+    itself; a gradient ``g`` of the lse must turn that into ``D_i - g_i``, so q, k, v get one zero column,
+    out a column of ones and dO the column ``-g`` (scores and ``dO . v`` are unchanged); the extra column
+    is cut from the results.
+    """
     dtype = query.dtype
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.to(dtype), query, key, value, out.to(dtype), lse,
-        0.0, is_causal, attn_mask=attn_mask, scale=scale,
+    d, dv = query.shape[-1], value.shape[-1]
+    grad_out, out = grad_out.to(dtype), out.to(dtype)
+    if lse_grad is not None:
+        pad = torch.nn.functional.pad
+        query, key, value = pad(query, (0, 1)), pad(key, (0, 1)), pad(value, (0, 1))
+        out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
+        grad_out = torch.cat([grad_out, -lse_grad.to(dtype)[..., None]], dim=-1)
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, lse, 0.0, is_causal, attn_mask=attn_mask, scale=scale,
     )
+    if lse_grad is not None:
+        gq, gk, gv = gq[..., :d], gk[..., :d], gv[..., :dv]
+    return gq, gk, gv

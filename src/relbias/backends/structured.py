@@ -165,34 +165,29 @@ def _part_backward(do, q, k, v, out, lse, mode, scale, dq, dk, dv, keep=None, ls
 
     ``lse``: the global log-sum-exp minus the part's constant, +inf on rows that must get no gradient
     (then the kernel's ``p = exp(s - lse)`` is 0). ``keep``: as :func:`_run_part`. ``lse_grad``: the
-    gradient (B, H, rows) of the global lse, or None. The kernel forms ``D_i = dO_i . out_i`` itself; a
-    gradient ``g`` of the lse must turn that into ``D_i - g_i``, so q, k, v get one zero column, out a
-    column of ones and dO the column ``-g`` (scores and ``dO . v`` are unchanged).
+    gradient (B, H, rows) of the global lse, or None (see :func:`fused_backward`).
     """
     if q.dtype == torch.float16:  # as in _run_part
         q, k, v = q.double(), k.double(), v.double()
-    if lse_grad is not None:
-        pad = torch.nn.functional.pad
-        q, k, v = pad(q, (0, 1)), pad(k, (0, 1)), pad(v, (0, 1))
-        out = torch.cat([out, torch.ones_like(out[..., :1])], dim=-1)
-        do = torch.cat([do, -lse_grad.to(do.dtype)[..., None]], dim=-1)
-    d, dv_dim = dq.shape[-1], dv.shape[-1]
     mask = _additive(keep, q.dtype)
     if mode != "upper":
-        gq, gk, gv = fused_backward(do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale, attn_mask=mask)
-        dq += gq[..., :d]
-        dk += gk[..., :d]
-        dv += gv[..., :dv_dim]
+        gq, gk, gv = fused_backward(
+            do, q, k, v, out, lse, is_causal=mode == "lower", scale=scale, attn_mask=mask, lse_grad=lse_grad
+        )
+        dq += gq
+        dk += gk
+        dv += gv
         return
     for h0 in range(0, q.shape[1], HEAD_GROUP):
         hs = slice(h0, h0 + HEAD_GROUP)
         gq, gk, gv = fused_backward(
             do[:, hs].flip(2), q[:, hs].flip(2), k[:, hs].flip(2), v[:, hs].flip(2), out[:, hs].flip(2),
             lse[:, hs].flip(2), is_causal=True, scale=scale, attn_mask=_heads(mask, hs),
+            lse_grad=None if lse_grad is None else lse_grad[:, hs].flip(2),
         )
-        dq[:, hs] += gq[..., :d].flip(2)
-        dk[:, hs] += gk[..., :d].flip(2)
-        dv[:, hs] += gv[..., :dv_dim].flip(2)
+        dq[:, hs] += gq.flip(2)
+        dk[:, hs] += gk.flip(2)
+        dv[:, hs] += gv.flip(2)
 
 
 def _merge(out, lse, rows, part_out, part_lse):
