@@ -11,7 +11,7 @@ from torch import nn
 
 import relbias
 
-from relbias.backends import blockwise, flex, structured
+from relbias.backends import blockwise, flex, structured, toeplitz
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,11 +38,13 @@ def _one_thread():
 
 @pytest.fixture
 def small_tiles(monkeypatch):
-    """Tiles of 8 queries x 8 keys (blockwise) and 8-query band tiles (structured), so small inputs span many
-    tiles; FlexAttention eager (same score_mod / mask_mod, no compilation per shape)."""
+    """Tiles of 8 queries x 8 keys (blockwise), 8-query band tiles (structured), 8-query kernel calls and 5 x 5
+    gradient tiles (toeplitz), so small inputs span many tiles; FlexAttention eager (same score_mod / mask_mod, no compilation per shape)."""
     monkeypatch.setattr(blockwise, "BLOCK_Q", 8)
     monkeypatch.setattr(blockwise, "BLOCK_K", 8)
     monkeypatch.setattr(structured, "BLOCK_Q", 8)
+    monkeypatch.setattr(toeplitz, "BLOCK_Q", 8)
+    monkeypatch.setattr(toeplitz, "TILE", 5)
     monkeypatch.setattr(flex, "COMPILE", False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # eager FlexAttention warns that it is unfused

@@ -38,9 +38,18 @@ def test_auto_routes_other_masks_to_blockwise_and_says_why(mask):
     assert name == "blockwise" and "not a bool key padding mask" in reason
 
 
-def test_auto_routes_a_bias_without_far_constant_to_blockwise():
-    name, reason = relbias.explain_backend(*_qkv(), bias=make_bias("alibi", num_heads=8, max_len=64, bidirectional=False), is_causal=True)
-    assert name == "blockwise" and "not constant beyond a distance" in reason
+@pytest.mark.parametrize("family", ["alibi", "kerple_log", "offset"])
+def test_auto_routes_an_offset_only_bias_without_far_constant_to_toeplitz(family):
+    bias = make_bias(family, num_heads=8, max_len=4096, bidirectional=False)
+    name, reason = relbias.explain_backend(*_qkv(requires_grad=True), bias=bias, is_causal=True)
+    assert name == "toeplitz" and "strided view of its per-offset values" in reason
+
+
+def test_auto_routes_an_offset_only_bias_with_a_mask_to_blockwise():
+    mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
+    bias = make_bias("alibi", num_heads=8, max_len=64, bidirectional=False)
+    name, reason = relbias.explain_backend(*_qkv(), bias=bias, is_causal=True, mask=mask)
+    assert name == "blockwise" and "not constant beyond a distance" in reason and "a mask is given" in reason
 
 
 @pytest.mark.skipif("fire" not in FAMILIES, reason="FIRE is not registered")

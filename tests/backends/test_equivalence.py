@@ -117,7 +117,10 @@ def test_fp32_output_and_gradients_match_reference(backend, family, config, smal
         torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=2e-5)
         return
     if why is not None:
-        assert backend == "structured" and (mask is not None or family not in ("t5", "t5_small", "offset_clip"))
+        if backend == "structured":
+            assert mask is not None or family not in ("t5", "t5_small", "offset_clip")
+        else:  # toeplitz runs every offset-only family without a mask
+            assert backend == "toeplitz" and (mask is not None or bias is None or not bias.offset_only), why
         pytest.skip(why)
     grad_out = torch.randn(B, H, lq, D)
     got = run(backend, q, k, v, bias, grad_out=grad_out, mask=mask, **kwargs)
@@ -153,7 +156,7 @@ def test_bf16_error_at_most_twice_the_reference_bf16_error(backend, family, is_c
         assert e_got <= 2 * e_plain + atol, f"{name}: error {e_got:.3g} > 2 x {e_plain:.3g} + {atol:.1g}"
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "structured"])
+@pytest.mark.parametrize("backend", ["blockwise", "structured", "toeplitz"])
 @pytest.mark.parametrize("family", ["t5", "offset_clip"])
 def test_bias_table_gradient_is_bit_identical_across_runs(backend, family, small_tiles):
     bias = build_bias(family, num_heads=H, bidirectional=True)
@@ -183,7 +186,7 @@ def test_structured_with_t5_default_buckets_splits_far_parts_exactly(is_causal, 
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * max(1.0, float(w.abs().max())))
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "structured"])
+@pytest.mark.parametrize("backend", ["blockwise", "structured", "toeplitz"])
 def test_rows_without_a_visible_key_give_zeros_and_zero_gradients(backend, small_tiles):
     # queries at positions 0..9 against keys at 20..39, causal: every key is in the future.
     bias = build_bias("offset_clip" if backend == "structured" else "t5", num_heads=H, bidirectional=True)
@@ -199,7 +202,7 @@ def test_seed_additive_and_t5_conventions_agree_with_reference(small_tiles):
     bias = build_bias("offset_clip", num_heads=1, bidirectional=True)
     q, k, v = _inputs(30, 30)
     for convention, scale in (("seed", None), ("seed", 0.7), ("additive", None), ("t5", None)):
-        for backend in ("blockwise", "structured"):
+        for backend in ("blockwise", "structured", "toeplitz"):
             got = run(backend, q, k, v, bias, convention=convention, scale=scale)[0]
             want = run("reference", q, k, v, bias, convention=convention, scale=scale)[0]
             torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)

@@ -72,7 +72,7 @@ def test_registry_refuses_duplicates_reserved_names_and_non_backends():
 
 
 def test_priority_order_and_every_backend_keeps_the_contract():
-    assert list(BACKENDS) == ["decode", "flex", "structured", "blockwise", "reference"]
+    assert list(BACKENDS) == ["decode", "flex", "toeplitz", "structured", "blockwise", "reference"]
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     call = relbias.call.make_call(q, k, v, bias=relbias.T5Bias(2), return_lse=True)
     want, want_lse = reference_attention(call)
@@ -103,8 +103,8 @@ def test_explain_backend_names_the_backend_that_runs_when_keys_hold_nan(monkeypa
     assert name == "blockwise" and "not structured: a key or value that some query cannot see holds NaN/inf" in reason
     with torch.no_grad():
         out = relbias.attention(q, k, v, bias=bias, mask=hidden)
-        seen = relbias.attention(q, k, v, bias=bias)  # every query sees key 7: structured runs
-    assert ran == ["blockwise", "structured"]
+        seen = relbias.attention(q, k, v, bias=bias)  # every query sees key 7: toeplitz runs (inference)
+    assert ran == ["blockwise", "toeplitz"]
     assert torch.isfinite(out).all()  # the hidden NaN reached nobody
     assert torch.isnan(seen[0, 1]).all() and torch.isfinite(seen[0, 0]).all()  # the seen one reaches its head only
 
@@ -129,4 +129,4 @@ def test_auto_does_not_run_checks_of_a_backend_it_passes_over_anyway(monkeypatch
     q = torch.randn(1, 8, 1024, 64)
     with torch.no_grad():
         name, reason = relbias.explain_backend(q, q, q, bias=relbias.ALiBiBias(8), is_causal=True)
-    assert name == "blockwise" and "not flex: auto takes flex on CUDA only" in reason
+    assert name == "toeplitz" and "not flex: auto takes flex on CUDA only" in reason

@@ -1,0 +1,53 @@
+"""flush_denormals: on inside the block on every thread PyTorch computes on, off after it, the user's own
+setting kept; and the toeplitz backend equal to the reference on scores deep in float32's denormal range."""
+
+from __future__ import annotations
+
+import torch
+
+import relbias
+from relbias.backends._denormals import flush_denormals
+
+DENORMAL = 1e-40  # below float32's smallest normal, 1.18e-38
+
+
+def _denormals_left(threads: int) -> int:
+    """How many of a tensor's denormal entries survive ``* 1.0``, computed on ``threads`` threads (each
+    thread of the OpenMP team takes a contiguous chunk)."""
+    torch.set_num_threads(threads)
+    x = torch.full((1 << 21,), DENORMAL)
+    return int((x * 1.0 != 0).sum())
+
+
+def test_every_thread_flushes_inside_and_none_after():
+    threads = max(2, torch.get_num_threads())
+    assert _denormals_left(threads) == 1 << 21  # the default: denormals kept
+    with flush_denormals():
+        assert _denormals_left(threads) == 0  # the workers flush too, not only this thread
+    assert _denormals_left(threads) == 1 << 21
+
+
+def test_a_user_who_flushes_already_keeps_flushing():
+    torch.set_flush_denormal(True)
+    try:
+        with flush_denormals():
+            pass
+        assert float(torch.tensor(DENORMAL) * 1.0) == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert float(torch.tensor(DENORMAL) * 1.0) != 0.0
+
+
+def test_toeplitz_matches_the_reference_where_exp_lands_in_denormals():
+    # a per-offset bias falling to -100 logits over the table: exp(s - max) passes through 2^-149..2^-126
+    n, heads = 300, 2
+    bias = relbias.PerOffsetBias(max_len=n, num_heads=heads, bidirectional=False)
+    with torch.no_grad():
+        bias.weight.copy_(-torch.linspace(0, 100, n)[:, None].expand(n, heads) * torch.tensor([1.0, 0.4]))
+    q, k, v = (torch.randn(1, heads, n, 16, requires_grad=True) for _ in range(3))
+    grads = {}
+    for backend in ("toeplitz", "reference"):
+        out = relbias.attention(q, k, v, bias=bias, is_causal=True, convention="additive", backend=backend)
+        grads[backend] = [out, *torch.autograd.grad(out.sum(), [q, k, v, bias.weight])]
+    for got, want in zip(grads["toeplitz"], grads["reference"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

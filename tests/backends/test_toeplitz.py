@@ -1,0 +1,99 @@
+"""The toeplitz backend against the reference in float64, where its own logic (reversed query blocks, the
+strided bias view, causal key prefixes, the diagonal sums of the bias gradient) is the only difference: many
+blocks and tiles of uneven sizes, every offset-only family, shared heads, positions, the lse and its gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import relbias
+from relbias.backends import toeplitz
+from relbias.biases import make_bias
+
+B, H, D = 2, 3, 8
+
+
+def _bias(name, *, bidirectional, num_heads=H):
+    if name == "function":  # a learnable function of the offset that no family implements
+        weight = torch.nn.Parameter(torch.randn(num_heads, 1, dtype=torch.float64))
+        return relbias.FunctionBias(lambda o: torch.sin(weight * o.double() / 3) * weight, num_heads=num_heads,
+                                    bidirectional=bidirectional), [weight]
+    options = {"out_of_range": "clip"} if name == "offset_clip" else {}
+    bias = make_bias(name.replace("_clip", ""), num_heads=num_heads, max_len=60, bidirectional=bidirectional,
+                     **options)
+    bias = bias.double()
+    with torch.no_grad():
+        for p in bias.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return bias, list(bias.parameters())
+
+
+def _run(backend, q, k, v, bias, params, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    for p in params:
+        p.grad = None
+    out, lse = relbias.attention(q, k, v, bias=bias, backend=backend, return_lse=True, **kwargs)
+    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
+    loss = (out * weights).sum() + 0.3 * torch.where(torch.isinf(lse), 0.0, lse).sum()
+    loss.backward()
+    grads = [q.grad, k.grad, v.grad] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    return [out.detach(), lse.detach()] + grads
+
+
+CASES = [  # (Lq, Lk, query_start, key_start, is_causal)
+    (45, 45, None, 0, True),
+    (45, 45, None, 0, False),
+    (17, 50, None, 0, True),  # a KV cache: queries on the last keys
+    (50, 17, 0, 0, True),  # more queries than keys, top-left
+    (30, 40, -12, 0, True),  # the first 12 queries see no key
+    (30, 40, 25, 3, False),
+]
+
+
+@pytest.mark.parametrize("block_q, tile", [(7, 5), (16, 64), (512, 256)])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-qs{c[2]}-ks{c[3]}-{'causal' if c[4] else 'bidi'}")
+@pytest.mark.parametrize("family", ["alibi", "kerple_log", "kerple_power", "offset_clip", "t5", "function"])
+def test_float64_outputs_lse_and_every_gradient_match_the_reference(family, case, block_q, tile, monkeypatch):
+    monkeypatch.setattr(toeplitz, "BLOCK_Q", block_q)
+    monkeypatch.setattr(toeplitz, "TILE", tile)
+    lq, lk, query_start, key_start, is_causal = case
+    torch.manual_seed(lq + lk)
+    bias, params = _bias(family, bidirectional=not is_causal or family == "function")
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (lq, lk, lk))
+    kwargs = dict(is_causal=is_causal, query_start=query_start, key_start=key_start)
+    assert relbias.explain_backend(q, k, v, bias=bias, backend="toeplitz", **kwargs)[0] == "toeplitz"
+    got = _run("toeplitz", q, k, v, bias, params, **kwargs)
+    want = _run("reference", q, k, v, bias, params, **kwargs)
+    assert len(got) > 5 or family == "alibi"  # the bias gradient is compared (ALiBi has no parameter)
+    for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+def test_one_bias_shared_by_every_head_broadcasts_and_gets_the_summed_gradient(monkeypatch):
+    monkeypatch.setattr(toeplitz, "BLOCK_Q", 9)
+    monkeypatch.setattr(toeplitz, "TILE", 6)
+    bias, params = _bias("function", bidirectional=True, num_heads=1)
+    q, k, v = (torch.randn(B, H, 33, D, dtype=torch.float64) for _ in range(3))
+    got, want = _run("toeplitz", q, k, v, bias, params), _run("reference", q, k, v, bias, params)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+def test_float32_and_bfloat16_run_in_float32_and_return_the_input_dtype():
+    bias, _ = _bias("alibi", bidirectional=True)
+    q, k, v = (torch.randn(1, H, 40, D) for _ in range(3))
+    with torch.no_grad():
+        want = relbias.attention(q.double(), k.double(), v.double(), bias=bias, backend="reference")
+        got32 = relbias.attention(q, k, v, bias=bias, backend="toeplitz")
+        got16 = relbias.attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), bias=bias, backend="toeplitz")
+    assert got32.dtype == torch.float32 and got16.dtype == torch.bfloat16
+    torch.testing.assert_close(got32.double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got16.double(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_an_offset_beyond_a_per_offset_table_is_an_error_not_a_guess():
+    bias = relbias.PerOffsetBias(max_len=10, num_heads=H)
+    q = torch.randn(1, H, 12, D)
+    with pytest.raises(ValueError, match="offset 11 has no parameter"):
+        relbias.attention(q, q, q, bias=bias, backend="toeplitz")
