@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["flush_denormals"]
+__all__ = ["flush_denormals", "flush_denormals_for"]
 
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 _MODE = {"on": False}
@@ -86,3 +86,11 @@ def flush_denormals() -> Iterator[None]:
         yield
     finally:
         _set_every_thread(False)
+
+
+def flush_denormals_for(tensor: torch.Tensor) -> contextlib.AbstractContextManager:
+    """:func:`flush_denormals` for a computation on ``tensor``'s device: a no-op off the CPU and while
+    torch.compile traces (a compiled graph cannot call into the OpenMP runtime)."""
+    if tensor.device.type != "cpu" or torch.compiler.is_compiling():
+        return contextlib.nullcontext()
+    return flush_denormals()

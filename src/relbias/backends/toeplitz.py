@@ -194,6 +194,8 @@ class ToeplitzBackend(Backend):
                 reasons.append("there is no bias; bias-free attention needs no bias view (use blockwise or SDPA)")
         elif not bias.offset_only:
             reasons.append(f"{type(bias).__name__} reads absolute positions, so its bias is not a Toeplitz matrix")
+        if torch.compiler.is_compiling():
+            reasons.append("torch.compile is tracing; toeplitz runs eagerly only (reference, blockwise and decode compile)")
         if call.mask is not None:
             reasons.append("a mask is given; the fused kernel's one additive mask is the bias view (masks go to "
                            "structured or blockwise)")
