@@ -85,8 +85,11 @@ def explain_backend(
     Example:
         >>> import torch, relbias
         >>> q = torch.randn(1, 8, 4096, 64)
-        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]
+        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]  # the bias table needs a gradient
         'structured'
+        >>> with torch.no_grad():  # inference
+        ...     relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]
+        'toeplitz'
     """
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,

@@ -66,14 +66,16 @@ def attention(
             ``relbias.backends.BACKENDS`` (priority order) that can run the call
             (:func:`relbias.explain_backend` says which and why); or a name: "reference" materialises the
             scores, the oracle; "blockwise": tiled, memory O(N·D), every bias module and mask;
-            "structured": far-constant biases (T5, clipped per-offset) with no mask or a key padding mask,
-            fused bias-free far parts plus a tiled band (CPU); "flex": FlexAttention, compiled.
+            "toeplitz": every offset-only bias with no mask, the bias as a strided view that is the additive
+            mask of the fused CPU flash kernel (CPU); "structured": far-constant biases (T5, clipped
+            per-offset) with no mask or a key padding mask, fused bias-free far parts plus a tiled band (CPU);
+            "decode": at most 16 queries, inference; "flex": FlexAttention, compiled.
         return_lse: also return the log-sum-exp of each query's scores (default False).
         dropout_p: probability of dropping each attention probability (default 0.0: no dropout, and the call
             is exactly the undropped one), as SDPA's ``dropout_p``; kept probabilities are scaled by
             ``1 / (1 - dropout_p)``. The mask is counter-based, a hash of (seed, batch, head, query position,
             key position), so a backward pass regenerates it and every tiling drops the same entries; the
-            reference and blockwise backends run it (structured and flex refuse it). Applied whatever the
+            reference and blockwise backends run it (the fused ones refuse it). Applied whatever the
             module's training mode: pass 0 for evaluation.
         generator: the torch.Generator from which the call's mask seed is drawn (default: torch's global RNG,
             so ``torch.manual_seed`` reproduces the mask).
