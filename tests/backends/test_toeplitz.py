@@ -97,3 +97,32 @@ def test_an_offset_beyond_a_per_offset_table_is_an_error_not_a_guess():
     q = torch.randn(1, H, 12, D)
     with pytest.raises(ValueError, match="offset 11 has no parameter"):
         relbias.attention(q, q, q, bias=bias, backend="toeplitz")
+
+
+@pytest.mark.parametrize("backend", ["toeplitz", "structured", "blockwise"])
+def test_double_backward_is_refused_not_silently_first_order(backend):
+    bias = relbias.PerOffsetBias(max_len=8, num_heads=2, out_of_range="clip")
+    q = torch.randn(1, 2, 6, 4, requires_grad=True)
+    k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4)
+    out = relbias.attention(q, k, v, bias=bias, backend=backend)
+    with pytest.raises(RuntimeError, match=f"backend '{backend}' has no double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+
+
+@pytest.mark.parametrize("layout", ["sliced", "transposed", "expanded"])
+@pytest.mark.parametrize("backend", ["toeplitz", "structured", "decode"])
+def test_keys_and_values_with_a_strided_last_dimension_match_the_reference(backend, layout):
+    bias = relbias.PerOffsetBias(max_len=8, num_heads=2, out_of_range="clip")
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 6 if backend != "decode" else 3, 4)
+    if layout == "sliced":
+        k = torch.randn(1, 2, 6, 8)[..., ::2]
+    elif layout == "transposed":  # a key cache stored (B, H, D, L)
+        k = torch.randn(1, 2, 4, 6).transpose(-1, -2)
+    else:
+        k = torch.randn(1, 2, 6, 1).expand(-1, -1, -1, 4)
+    v = torch.randn(1, 2, 4, 6).transpose(-1, -2)
+    with torch.no_grad():
+        got = relbias.attention(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, bias=bias, backend=backend)
+        want = relbias.attention(q, k.contiguous(), v.contiguous(), bias=bias, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -16,11 +16,11 @@ second-order gradients (the backward is once-differentiable).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ..positions import Alignment
+from ._autograd import first_order
 from ._bias_tiles import NativeSource, PairSource
 from ._denormals import flush_denormals_for
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
@@ -89,7 +89,7 @@ class _BlockwiseFunction(torch.autograd.Function):
         return out.to(query.dtype), lse
 
     @staticmethod
-    @once_differentiable
+    @first_order("blockwise")
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
         problem: TileProblem = ctx.problem

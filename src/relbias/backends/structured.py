@@ -30,11 +30,11 @@ with a fused kernel that exposes its log-sum-exp (CPU here).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ..positions import Alignment
+from ._autograd import first_order
 from ._bias_tiles import NativeSource
 from ._cpu_flash import cpu_flash_reasons, fused_backward, fused_forward
 from ._reasons import dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
@@ -228,7 +228,7 @@ class _StructuredFunction(torch.autograd.Function):
         return out.to(query.dtype), (lse.float() if query.dtype == torch.float16 else lse)
 
     @staticmethod
-    @once_differentiable
+    @first_order("structured")
     def backward(ctx, grad_out, grad_lse):
         query, key, value, values, out, lse, *stats = ctx.saved_tensors
         problem: TileProblem = ctx.problem

@@ -24,10 +24,10 @@ bias).
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
+from ._autograd import first_order
 from ._cpu_flash import cpu_flash_reasons, fused_backward, fused_forward
 from ._denormals import flush_denormals
 from ._reasons import dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
@@ -96,7 +96,7 @@ class _ToeplitzFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    @once_differentiable
+    @first_order("toeplitz")
     def backward(ctx, grad_out, grad_lse):
         with flush_denormals():
             return _ToeplitzFunction._backward(ctx, grad_out, grad_lse)
