@@ -43,6 +43,12 @@ def cpu_flash_reasons(call) -> list[str]:
     return reasons
 
 
+def _unit_last_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy when its last dimension is strided: the raw kernel reads each row of
+    head_dim as contiguous whatever the stride (a transposed or sliced K gave errors of 1.9)."""
+    return tensor if tensor.stride(-1) == 1 or tensor.shape[-1] <= 1 else tensor.contiguous()
+
+
 def fused_forward(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -61,6 +67,7 @@ def fused_forward(
         out (B, H, Lq, Dv) in the input dtype; lse (B, H, Lq) float32 (float64 for float64 inputs), the
         natural log-sum-exp of ``scale * q . k`` over the visible keys.
     """
+    query, key, value = _unit_last_stride(query), _unit_last_stride(key), _unit_last_stride(value)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
     )
@@ -92,7 +99,8 @@ def fused_backward(
     """
     dtype = query.dtype
     d, dv = query.shape[-1], value.shape[-1]
-    grad_out, out = grad_out.to(dtype), out.to(dtype)
+    query, key, value = _unit_last_stride(query), _unit_last_stride(key), _unit_last_stride(value)
+    grad_out, out = _unit_last_stride(grad_out.to(dtype)), _unit_last_stride(out.to(dtype))
     if lse_grad is not None:
         pad = torch.nn.functional.pad
         query, key, value = pad(query, (0, 1)), pad(key, (0, 1)), pad(value, (0, 1))
