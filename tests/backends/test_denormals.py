@@ -51,3 +51,28 @@ def test_toeplitz_matches_the_reference_where_exp_lands_in_denormals():
         grads[backend] = [out, *torch.autograd.grad(out.sum(), [q, k, v, bias.weight])]
     for got, want in zip(grads["toeplitz"], grads["reference"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_two_python_threads_leave_no_flushing_behind():
+    # each Python thread has its own OpenMP team; the mode travels with each call, so one thread's exit
+    # cannot turn flushing back on for the other's team after that one's call returned
+    import threading
+
+    bias, q = relbias.ALiBiBias(num_heads=1), torch.randn(1, 1, 4, 4)
+    leaks = [0, 0]
+
+    def work(index):
+        torch.set_num_threads(2)
+        for _ in range(100):
+            with flush_denormals():
+                relbias.attention(q, q, q, bias=bias, backend="toeplitz")
+            if float(torch.tensor(DENORMAL) * 1.0) == 0.0:
+                leaks[index] += 1
+                torch.set_flush_denormal(False)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert leaks == [0, 0]

@@ -26,11 +26,12 @@ import torch
 __all__ = ["flush_denormals", "flush_denormals_for"]
 
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-_MODE = {"on": False}
 
 
-def _set_this_thread(_data) -> None:
-    torch.set_flush_denormal(_MODE["on"])
+def _set_this_thread(data) -> None:
+    """Run on each thread of the team: ``data`` is the mode, passed per call (NULL: off), so concurrent calls
+    from several Python threads, each with its own OpenMP team, cannot read each other's."""
+    torch.set_flush_denormal(bool(data))
 
 
 _ON_EACH_THREAD = _CALLBACK(_set_this_thread)
@@ -61,8 +62,7 @@ def _set_every_thread(on: bool) -> bool:
         return False
     parallel = _gomp_parallel()
     if parallel is not None and torch.get_num_threads() > 1:
-        _MODE["on"] = on
-        parallel(_ON_EACH_THREAD, None, torch.get_num_threads(), 0)
+        parallel(_ON_EACH_THREAD, ctypes.c_void_p(1) if on else None, torch.get_num_threads(), 0)
     return True
 
 
