@@ -225,7 +225,13 @@ def toeplitz_attention(
 
     Shapes: query (B, H, Lq, D), key and value (B, H, Lk, D) on CPU -> out (B, H, Lq, D) in the dtype of
     ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf (and out 0) for a query that sees
-    no key. float16 and bfloat16 inputs run on float32 copies. ``block_q``: query rows per kernel call (tokens), default :data:`BLOCK_Q`; ``tile``: rows
+    no key. float16 and bfloat16 inputs run on float32 copies.
+
+    Precision: the backward recomputes ``p = exp(s - lse)`` from the stored log-sum-exp, which float32 holds to
+    ``|lse| x 2^-24``; with scores of order 1e3 the gradients err about 5e-4 relative (the kernel's own backward),
+    and with scores beyond ~1e7 (a bias of 1e30, a scale of 1e20) they are wrong while the output is right. The
+    reference backend, one softmax, has no such limit. A query holding +-inf whose every score is -inf gets out 0
+    (the reference: NaN); it still reaches no other query. ``block_q``: query rows per kernel call (tokens), default :data:`BLOCK_Q`; ``tile``: rows
     and keys per tile of the bias-gradient pass, default :data:`TILE`.
     """
     a = call.alignment
