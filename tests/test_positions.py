@@ -49,3 +49,39 @@ def test_empty_lengths_give_no_offsets():
 def test_bad_lengths_and_positions_raise(kwargs, error, words):
     with pytest.raises(error, match=words):
         relative_offsets(**kwargs)
+
+
+def test_tensor_positions_are_read_as_ints_in_eager_mode():
+    # a static KV cache counts its tokens in a 0-dim int64 tensor
+    a = resolve_alignment(2, 6, query_start=torch.tensor(4), key_start=torch.tensor(1, dtype=torch.int32))
+    assert (a.query_start, a.key_start) == (4, 1) and type(a.query_start) is int and type(a.key_start) is int
+    assert torch.equal(relative_offsets(2, 6, query_start=torch.tensor(4)), relative_offsets(2, 6, query_start=4))
+
+
+@pytest.mark.parametrize(
+    "position", [torch.tensor([3]), torch.tensor(3.0), torch.tensor(True)], ids=["1-d", "float", "bool"]
+)
+def test_bad_tensor_positions_raise(position):
+    with pytest.raises(TypeError, match=r"query_start must be an int or a 0-dim integer tensor, got a tensor of shape"):
+        resolve_alignment(2, 2, query_start=position)
+
+
+def test_tensor_positions_stay_tensors_under_compile():
+    """Compiled, a tensor position is never read: one graph serves every position, and the offsets are right."""
+    torch._dynamo.reset()
+
+    def offsets(query_start):
+        a = resolve_alignment(2, 6, query_start=query_start)
+        return a.offsets(), a.offset_vector(), a.min_offset, a.max_offset, isinstance(a.query_start, torch.Tensor)
+
+    compiled = torch.compile(offsets, fullgraph=True, backend="eager")
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    for start in (0, 3, 4, -7, 2**40):
+        got, vector, lo, hi, kept_a_tensor = compiled(torch.tensor(start))
+        assert kept_a_tensor
+        want = resolve_alignment(2, 6, query_start=start)
+        assert torch.equal(got, want.offsets()) and torch.equal(vector, want.offset_vector())
+        assert (int(lo), int(hi)) == (want.min_offset, want.max_offset)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    torch._dynamo.reset()

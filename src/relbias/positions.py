@@ -7,6 +7,11 @@ and Mesh TensorFlow call ``key_pos - query_pos`` the "relative position": it is 
 Alignment when ``query_len != key_len``: the first key sits at ``key_start`` (default 0) and the
 first query at ``query_start``; when ``query_start`` is not given, queries are aligned to the last
 keys (query ``t`` sits at ``key_start + key_len - query_len + t``), as decoding with a KV cache needs.
+
+Positions may also arrive as 0-dim integer tensors (a static KV cache counts its tokens in one, so that a
+compiled decoding step serves every step). Eager code reads such a tensor once (``int(...)``, one O(1) read) and
+works on ints; under ``torch.compile`` it stays a tensor, so the graph does not depend on its value: the
+alignment's positions and offsets are then 0-dim tensors and its offset tensors are built by tensor arithmetic.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ._int_args import check_int
+
+Position = int | torch.Tensor  # an int, or (under torch.compile only) a 0-dim integer tensor
 
 __all__ = ["Alignment", "resolve_alignment", "relative_offsets"]
 
@@ -30,8 +37,9 @@ class Alignment:
     Attributes (all in tokens):
         query_len: number of queries Lq (>= 0).
         key_len: number of keys Lk (>= 0).
-        query_start: absolute position of the first query.
-        key_start: absolute position of the first key.
+        query_start: absolute position of the first query: an int, or under ``torch.compile`` a 0-dim integer
+            tensor (:func:`resolve_alignment`); then ``min_offset`` and ``max_offset`` are 0-dim tensors too.
+        key_start: absolute position of the first key, the same.
 
     Derived:
         min_offset: smallest offset ``i - j`` in the block, ``query_start - (key_start + key_len - 1)``.
@@ -42,15 +50,15 @@ class Alignment:
 
     query_len: int
     key_len: int
-    query_start: int
-    key_start: int
+    query_start: Position
+    key_start: Position
 
     @property
-    def min_offset(self) -> int:
+    def min_offset(self) -> Position:
         return self.query_start - (self.key_start + self.key_len - 1)
 
     @property
-    def max_offset(self) -> int:
+    def max_offset(self) -> Position:
         return self.query_start + self.query_len - 1 - self.key_start
 
     @property
@@ -65,41 +73,69 @@ class Alignment:
         Entry ``n`` is offset ``min_offset + n``; a backend finds the value of pair (t, s) at index
         ``offsets[t, s] - min_offset``.
         """
-        return torch.arange(self.min_offset, self.min_offset + self.num_offsets, device=device)
+        return torch.arange(self.num_offsets, device=device) + _on(self.min_offset, device)
 
     def offsets(self, device: torch.device | str | None = None) -> torch.Tensor:
         """Offset matrix ``(query_start + t) - (key_start + s)``: int64 tensor (query_len, key_len)."""
-        q = torch.arange(self.query_start, self.query_start + self.query_len, device=device)
-        k = torch.arange(self.key_start, self.key_start + self.key_len, device=device)
+        q = torch.arange(self.query_len, device=device) + _on(self.query_start, device)
+        k = torch.arange(self.key_len, device=device) + _on(self.key_start, device)
         return q[:, None] - k[None, :]
 
 
+def _on(position: Position, device: torch.device | str | None) -> Position:
+    """An int as it is; a 0-dim position tensor as int64 on ``device`` (added to an int64 arange there)."""
+    return position.to(device=device, dtype=torch.int64) if isinstance(position, torch.Tensor) else position
+
+
+def _position(name: str, value: object) -> Position:
+    """An int position as it is; a 0-dim integer tensor read as an int, or kept as a tensor under torch.compile.
+
+    Raises:
+        TypeError: neither an int (bools rejected) nor a 0-dim integer (non-bool) tensor.
+    """
+    if not isinstance(value, torch.Tensor):
+        return check_int(name, value)
+    if value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+        raise TypeError(
+            f"{name} must be an int or a 0-dim integer tensor, got a tensor of shape {tuple(value.shape)} and "
+            f"dtype {value.dtype}"
+        )
+    if torch.compiler.is_compiling():
+        return value  # its value is data: reading it would specialise (or break) the graph
+    return int(value)
+
+
 def resolve_alignment(
-    query_len: int, key_len: int, *, query_start: int | None = None, key_start: int = 0
+    query_len: int, key_len: int, *, query_start: Position | None = None, key_start: Position = 0
 ) -> Alignment:
     """Fill in the default alignment and validate lengths and positions.
 
     Args:
         query_len: number of queries Lq, tokens, >= 0.
         key_len: number of keys Lk, tokens, >= 0.
-        query_start: absolute position of the first query; default ``key_start + key_len - query_len``
-            (queries aligned to the last keys, as with a KV cache).
-        key_start: absolute position of the first key; default 0.
+        query_start: absolute position of the first query, an int or a 0-dim integer tensor (e.g. a static KV
+            cache's token count); default ``key_start + key_len - query_len`` (queries aligned to the last keys,
+            as with a KV cache).
+        key_start: absolute position of the first key, the same; default 0.
 
     Returns:
-        An :class:`Alignment`.
+        An :class:`Alignment`. A tensor position is read as an int in eager mode; under ``torch.compile`` it stays
+        a 0-dim tensor, and the int64 range check below (a read of its value) is skipped.
 
     Raises:
-        TypeError: a length or position is not an int (bools are rejected).
+        TypeError: a length is not an int, or a position neither an int nor a 0-dim integer tensor (bools and
+            bool tensors are rejected).
         ValueError: a length is negative; positions or offsets beyond int64.
     """
     check_int("query_len", query_len, minimum=0)
     check_int("key_len", key_len, minimum=0)
-    check_int("key_start", key_start)
+    key_start = _position("key_start", key_start)
     if query_start is None:
         query_start = key_start + key_len - query_len
-    check_int("query_start", query_start)
+    query_start = _position("query_start", query_start)
     alignment = Alignment(query_len, key_len, query_start, key_start)
+    if isinstance(query_start, torch.Tensor) or isinstance(key_start, torch.Tensor):
+        return alignment  # compiling: a tensor's value cannot be checked without reading it
     extremes = (query_start, key_start, query_start + query_len, key_start + key_len, alignment.min_offset,
                 alignment.max_offset)
     if any(abs(x) > _INT64_MAX for x in extremes):
@@ -115,8 +151,8 @@ def relative_offsets(
     query_len: int,
     key_len: int,
     *,
-    query_start: int | None = None,
-    key_start: int = 0,
+    query_start: Position | None = None,
+    key_start: Position = 0,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Offsets ``i - j`` (query position minus key position) for every (query, key) pair.
@@ -124,8 +160,9 @@ def relative_offsets(
     Args:
         query_len: number of queries Lq, tokens.
         key_len: number of keys Lk, tokens.
-        query_start: absolute position of the first query; default aligns queries to the last keys.
-        key_start: absolute position of the first key; default 0.
+        query_start: absolute position of the first query (an int or a 0-dim integer tensor); default aligns
+            queries to the last keys.
+        key_start: absolute position of the first key (the same); default 0.
         device: device of the result.
 
     Returns:
