@@ -61,3 +61,33 @@ def test_a_length_change_alone_does_not_recompile_without_bound():
             q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, n, 8)
             torch.testing.assert_close(compiled(q, k), relbias.attention(q, k, k, bias=bias, is_causal=True))
     assert counters["stats"]["unique_graphs"] - before <= 2  # one static graph, then one with dynamic lengths
+
+
+@pytest.mark.parametrize(
+    "backend, is_causal, mask_kind",
+    [("reference", True, "bool"), ("decode", True, "float"), ("decode", False, "bool"), ("auto", True, None)],
+)
+def test_a_tensor_query_position_compiles_once_for_every_position(backend, is_causal, mask_kind):
+    """A decoding step with a static cache: the query position arrives as a 0-dim tensor and stays one, so one
+    graph (no recompilation, no data-dependent guard) serves every position, equal to eager with int positions."""
+    bias = relbias.T5Bias(2, bidirectional=False, init_std=1.0)
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 2, 12, 8)
+
+    def f(q, k, query_start, mask):
+        return relbias.attention(q, k, k, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start,
+                                 backend=backend)
+
+    compiled = torch.compile(f, fullgraph=True)
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for position in (3, 7, 11):
+            filled = torch.arange(12) <= position  # a static cache's filled slots (keys after the query hidden)
+            mask = None if mask_kind is None else filled.expand(2, 1, 1, 12).clone()
+            if mask is not None:
+                mask[1, ..., :2] = False  # a padded row
+                if mask_kind == "float":
+                    mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+            want = f(q, k, position, mask)
+            torch.testing.assert_close(compiled(q, k, torch.tensor(position), mask), want, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -158,8 +158,8 @@ def check_call(
     bias: object,
     mask: torch.Tensor | None,
     is_causal: bool,
-    query_start: int | None,
-    key_start: int,
+    query_start: int | torch.Tensor | None,
+    key_start: int | torch.Tensor,
 ) -> Alignment:
     """Every check :func:`relbias.attention` (and ``explain_backend``) makes before choosing a backend.
 
@@ -179,8 +179,12 @@ def check_call(
 
 
 def _check_no_visible_future(mask, is_causal, alignment, device) -> None:
-    """A causal-only bias has no value for future keys: some mask must hide every one of them."""
-    if is_causal or alignment.min_offset >= 0:
+    """A causal-only bias has no value for future keys: some mask must hide every one of them.
+
+    Positions that are tensors (under torch.compile, :func:`relbias.positions.resolve_alignment`) make even the
+    mask-free case a value check: eager calls make it, compiled graphs do not.
+    """
+    if is_causal or isinstance(alignment.min_offset, torch.Tensor) or alignment.min_offset >= 0:
         return
     if mask is None:  # every future key is visible: decided by the positions alone (no tensor read)
         future_visible = True

@@ -35,10 +35,14 @@ class AttentionCall:
             broadcastable to (B, H, Lq, Lk) (logits).
         mask: None, or the mask made 4-D (leading size-1 dimensions): bool (True = may attend) or
             additive float (-inf = masked), broadcastable to (B, H, Lq, Lk).
-        is_causal: hide keys with offset ``i - j < 0``.
+        is_causal: hide keys with offset ``i - j < 0``. Under torch.compile with tensor positions (see
+            ``alignment``) always False: the causal rule is then folded into ``mask`` (bool (B|1, 1, Lq, Lk), or
+            -inf in a float mask), as deciding in Python which keys a query may see would read a position's value.
         convention: "seed", "additive" or "t5" (resolved: never None).
         scale: multiplier of ``q . k`` (resolved: 1 for "t5", default ``1 / sqrt(D)`` otherwise).
-        alignment: lengths and absolute positions (tokens) of the query and key blocks.
+        alignment: lengths and absolute positions (tokens) of the query and key blocks; the positions are ints,
+            or under torch.compile 0-dim integer tensors when they arrive as tensors
+            (:func:`relbias.resolve_alignment`).
         return_lse: whether the caller reads the log-sum-exp; a backend may return None for it when
             False and computing it would cost extra.
         dropout: None, or the call's attention dropout (:class:`relbias._dropout.Dropout`: drop
@@ -64,8 +68,9 @@ class AttentionCall:
         return self.scale if self.convention == "seed" else 1.0
 
     @property
-    def delta(self) -> int:
-        """``query_start - key_start`` (tokens): the offset of query 0 against key 0."""
+    def delta(self) -> int | torch.Tensor:
+        """``query_start - key_start`` (tokens): the offset of query 0 against key 0 (a 0-dim tensor when the
+        positions are)."""
         return self.alignment.query_start - self.alignment.key_start
 
     @property
@@ -162,8 +167,8 @@ def make_call(
     is_causal: bool = False,
     scale: float | None = None,
     convention: str | None = None,
-    query_start: int | None = None,
-    key_start: int = 0,
+    query_start: int | torch.Tensor | None = None,
+    key_start: int | torch.Tensor = 0,
     return_lse: bool = False,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
@@ -193,9 +198,22 @@ def make_call(
             warnings.warn(note, UserWarning, stacklevel=3)
     if mask is not None:
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if is_causal and isinstance(alignment.min_offset, torch.Tensor):
+        mask, is_causal = _causal_mask(mask, alignment, query.device), False
     if dropout is not None:
         dropout = Dropout(dropout.p, dropout.seed, alignment.query_start, alignment.key_start)
     return AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse, dropout)
+
+
+def _causal_mask(mask: torch.Tensor | None, alignment: Alignment, device: torch.device) -> torch.Tensor:
+    """``mask`` (4-D or None) combined with the causal rule of ``alignment`` as an explicit mask: bool
+    (B|1, H|1, Lq, Lk) for a bool or no mask (True = may attend), or the float mask with -inf at future keys."""
+    causal = (alignment.offsets(device) >= 0)[None, None]  # (1, 1, Lq, Lk): offset i - j >= 0
+    if mask is None:
+        return causal
+    if mask.dtype == torch.bool:
+        return mask & causal
+    return torch.where(causal, mask, float("-inf"))
 
 
 def _dropout(dropout_p: object, generator: object) -> Dropout | None:

@@ -21,8 +21,8 @@ def attention(
     is_causal: bool = False,
     scale: float | None = None,
     convention: str | None = None,
-    query_start: int | None = None,
-    key_start: int = 0,
+    query_start: int | torch.Tensor | None = None,
+    key_start: int | torch.Tensor = 0,
     backend: str = "auto",
     return_lse: bool = False,
     dropout_p: float = 0.0,
@@ -60,8 +60,12 @@ def attention(
             value (e.g. 1.0) is honoured. Must be 1 or None for "t5".
         convention: "seed", "additive" or "t5"; default the bias module's own (T5Bias: "t5",
             PerOffsetBias / FunctionBias: "seed"), and "seed" for a tensor bias or no bias.
-        query_start: absolute position (tokens) of the first query.
-        key_start: absolute position (tokens) of the first key.
+        query_start: absolute position (tokens) of the first query: an int, or a 0-dim integer tensor (a static KV
+            cache's token count). Eager calls read a tensor once (``int``); under ``torch.compile`` it stays a
+            tensor, so one graph serves every position: then the int64 range check of positions is skipped,
+            ``is_causal`` is applied as an explicit (1, 1, Lq, Lk) mask, and the reference and decode backends run
+            the call (blockwise and structured need int positions).
+        key_start: absolute position (tokens) of the first key, the same.
         backend: "auto" (default): the small-block rule, then the first backend in
             ``relbias.backends.BACKENDS`` (priority order) that can run the call
             (:func:`relbias.explain_backend` says which and why); or a name: "reference" materialises the
