@@ -63,6 +63,40 @@ def test_static_cache_tail_is_left_to_the_causal_rule():
     assert mask is None and is_causal
 
 
+def test_a_tensor_query_start_is_read_in_eager_mode():
+    # a static cache's past_seen_tokens is a 0-dim int64 tensor
+    key_padding = padding([10, 8], 10, left=True)
+    bool_mask, _ = hf_masks(key_padding, 2, 4, causal=True)
+    got = relbias_mask_from_hf(bool_mask, is_causal=True, query_start=torch.tensor(4))
+    want = relbias_mask_from_hf(bool_mask, is_causal=True, query_start=4)
+    assert got[1] == want[1] is True and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_conversion_passes_the_mask_whole(causal):
+    """Under torch.compile the form of a mask is not decided from its values: the exact mask goes on whole (bool as
+    it is, float with -inf where transformers writes finfo.min), without is_causal, in one graph for every mask."""
+    torch._dynamo.reset()
+    convert = torch.compile(
+        lambda mask, query_start: relbias_mask_from_hf(mask, is_causal=causal, query_start=query_start),
+        fullgraph=True, backend="eager",
+    )
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    for query_start, lengths in ((4, [10, 8]), (6, [10, 10]), (9, [10, 3])):
+        query_len = 1 if causal else 10
+        for hf in hf_masks(padding(lengths, 10, left=causal), query_len, query_start if causal else 0, causal):
+            mask, is_causal = convert(hf, torch.tensor(query_start))
+            assert is_causal is False and mask.shape == hf.shape
+            if hf.dtype == torch.bool:
+                assert torch.equal(mask, hf)
+            else:
+                assert mask.dtype == hf.dtype and torch.equal(mask == float("-inf"), hf != 0)
+                assert torch.equal(mask.masked_fill(hf != 0, 0.0), torch.zeros_like(hf))
+    assert counters["stats"]["unique_graphs"] - before <= 2  # at most one graph per dtype, not one per position
+    torch._dynamo.reset()
+
+
 def test_no_padding_gives_no_mask():
     full = torch.ones(2, 1, 5, 5, dtype=torch.bool)
     assert relbias_mask_from_hf(full, is_causal=False) == (None, False)

@@ -132,6 +132,41 @@ def test_static_cache_generation(hf):
         assert torch.equal(patched.generate(input_ids, **settings), plain.generate(input_ids, **settings))
 
 
+@pytest.mark.parametrize(
+    "family, attn_implementation, compiler",
+    [("t5", "sdpa", "inductor"), ("umt5", "eager", "aot_eager")],  # umt5: a table per layer; eager: float masks
+)
+def test_compiled_static_cache_generation(hf, family, attn_implementation, compiler):
+    """generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True)): the static cache's
+    tensor past_seen_tokens stays a tensor in the compiled decoding step, so it compiles whole, once for every
+    step (and a second prompt of the same shape recompiles nothing), and gives unpatched tokens."""
+    settings = dict(initializer_factor=5.0, bias_scale=1.0, attn_implementation=attn_implementation)
+    patched, plain = patched_and_plain(hf, family, **settings)
+    input_ids, attention_mask = hf.batch(length=12, pad_last=3)
+    compile_config = hf.transformers.CompileConfig(fullgraph=True, backend=compiler)
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only otherwise (as its own tests do)
+    steps = dict(attention_mask=attention_mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    other_ids = hf.batch(length=12, pad_last=3, seed=5)[0]
+    try:
+        with torch.no_grad():
+            got = patched.generate(input_ids, cache_implementation="static", compile_config=compile_config, **steps)
+            compiled_graphs = counters["stats"]["unique_graphs"] - before
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got_other = patched.generate(other_ids, cache_implementation="static", compile_config=compile_config,
+                                             **steps)
+            want = plain.generate(input_ids, cache_implementation="static", **steps)
+            want_other = plain.generate(other_ids, cache_implementation="static", **steps)
+    finally:
+        torch._dynamo.reset()
+    assert compiled_graphs == 1  # the decoding step, compiled whole once: not skipped, not once per position
+    assert torch.equal(got, want) and torch.equal(got_other, want_other)
+    assert got.shape[1] == 7 and len(set(got[0].tolist())) > 2  # the model does not just repeat one token
+    assert not torch.equal(got, got_other)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_gradients_match(hf, checkpointing):
     patched, plain = patched_and_plain(hf, "t5")

@@ -5,6 +5,10 @@ shape (B, 1, Lq, Lk): bool (True = may attend) for "sdpa", additive float (0 or 
 or None when there is nothing to mask. Most such masks are a key padding mask, optionally combined with the causal
 rule; relbias takes that as a (B, 1, 1, Lk) bool mask plus ``is_causal``, which a memory-efficient backend can read
 without a (Lq, Lk) tensor. Anything else is passed on whole, as an exact mask.
+
+Deciding which form a mask has reads its values, so under ``torch.compile`` (a compiled decoding step with a
+static cache) the mask is passed on whole instead: still exact, as transformers' masks of causal attention contain
+the causal rule.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ __all__ = ["relbias_mask_from_hf"]
 
 
 def relbias_mask_from_hf(
-    mask: torch.Tensor | None, *, is_causal: bool, query_start: int = 0
+    mask: torch.Tensor | None, *, is_causal: bool, query_start: int | torch.Tensor = 0
 ) -> tuple[torch.Tensor | None, bool]:
     """Convert a transformers attention mask into ``(mask, is_causal)`` for :func:`relbias.attention`.
 
@@ -27,7 +31,8 @@ def relbias_mask_from_hf(
         is_causal: whether the attention is causal (decoder self-attention). For a causal attention the mask is
             expected to contain the causal rule already, as transformers builds it.
         query_start: absolute position (tokens) of the first query, keys starting at 0: the number of tokens
-            already in the cache (transformers' ``past_seen_tokens``).
+            already in the cache (transformers' ``past_seen_tokens``), an int or a 0-dim integer tensor (a static
+            cache's count; read once in eager mode, never read under ``torch.compile``).
 
     Returns:
         ``(mask, is_causal)``:
@@ -37,6 +42,9 @@ def relbias_mask_from_hf(
           mask (bidirectional) or a key padding mask and the causal rule for queries at ``query_start ...``;
         * otherwise ``(exact, False)``: a bool (B, 1, Lq, Lk) mask, or, for a float mask with other finite values, the
           float mask with hidden entries set to -inf.
+
+        Under ``torch.compile`` (where each of these tests would read the mask's values) always the last form: the
+        bool mask as it is, or the float mask with hidden entries (``<= finfo.min / 2``) set to -inf.
 
         A hidden key gets exactly zero weight either way. A query row with no visible key returns zeros in relbias,
         where transformers' finite fill returns the mean of the values (such rows are padding).
@@ -54,15 +62,18 @@ def relbias_mask_from_hf(
         )
     if mask.dim() != 4:
         raise ValueError(f"expected a 4D attention mask (batch, 1, query_len, key_len), got shape {tuple(mask.shape)}")
+    if not mask.is_floating_point() and mask.dtype != torch.bool:
+        raise TypeError(f"an attention mask must be bool or float, got {mask.dtype}")
+    compiling = torch.compiler.is_compiling()  # no value-dependent simplification: the exact mask, whole
     if mask.is_floating_point():
         hidden = mask <= torch.finfo(mask.dtype).min / 2  # also true for -inf
-        if bool(mask.masked_fill(hidden, 0.0).any()):  # finite values other than 0: a real additive mask
+        if compiling or bool(mask.masked_fill(hidden, 0.0).any()):  # finite values other than 0: a real additive mask
             return mask.masked_fill(hidden, float("-inf")), False
         visible = ~hidden
-    elif mask.dtype == torch.bool:
-        visible = mask
     else:
-        raise TypeError(f"an attention mask must be bool or float, got {mask.dtype}")
+        visible = mask
+    if compiling:
+        return visible, False
     if visible.shape[1] != 1:
         return visible, False
 
@@ -74,7 +85,9 @@ def relbias_mask_from_hf(
             return visible, False
         return (None if bool(key_padding.all()) else key_padding), False
 
-    causal = resolve_alignment(query_len, key_len, query_start=query_start).offsets(visible.device) >= 0  # (Lq, Lk)
+    alignment = resolve_alignment(query_len, key_len, query_start=query_start)  # a tensor query_start read here
+    query_start = alignment.query_start
+    causal = alignment.offsets(visible.device) >= 0  # (Lq, Lk)
     key_padding = visible.any(dim=2, keepdim=True)  # (B, 1, 1, Lk); keys no query may see are hidden anyway
     if not torch.equal(visible, causal & key_padding):
         return visible, False

@@ -114,6 +114,8 @@ class T5PositionBias:
         query_len: Lq, tokens.
         key_len: Lk, tokens (cache included).
         query_start: absolute position of the first query, tokens: transformers' ``past_seen_tokens``; keys start at 0.
+            An int, or under ``torch.compile`` the 0-dim int64 tensor a static cache counts its tokens in (kept a
+            tensor so that one compiled decoding step serves every position).
         backend: relbias backend name, or None for :func:`relbias.attention`'s default (``"auto"``, which picks a
             backend per call, where relbias has the dispatcher).
         parallel: None, or the process group, layout and strategy of ``patch_t5(..., process_group=)``: the layer's
@@ -123,7 +125,7 @@ class T5PositionBias:
     bias: T5Bias
     query_len: int
     key_len: int
-    query_start: int
+    query_start: int | torch.Tensor
     backend: str | None = None
     parallel: _ContextParallel | None = None
     _mask_cache: list = field(default_factory=list, repr=False)  # [(hf_mask, is_causal, converted)] shared by the stack's layers
@@ -157,12 +159,20 @@ def _backend_names() -> set[str]:
 
 def _compute_bias(attention_module: nn.Module, bias: T5Bias, state: _PatchState, query_length, key_length,
                   device=None, past_seen_tokens=0) -> T5PositionBias:
-    """Replacement of ``T5Attention.compute_bias``: the bias module and positions, no tensor."""
+    """Replacement of ``T5Attention.compute_bias``: the bias module and positions, no tensor.
+
+    ``past_seen_tokens`` is an int, or a 0-dim int64 tensor (``StaticCache``): read as an int in eager mode, kept a
+    tensor under ``torch.compile`` (reading it would make the compiled graph depend on its value).
+    """
     table = attention_module.relative_attention_bias.weight
     if bias.weight is not table:  # the model's parameter was replaced (e.g. load_state_dict(assign=True))
         bias.weight = table
+    if isinstance(past_seen_tokens, torch.Tensor) and torch.compiler.is_compiling():
+        query_start = past_seen_tokens
+    else:
+        query_start = int(past_seen_tokens)
     return T5PositionBias(
-        bias, int(query_length), int(key_length), query_start=int(past_seen_tokens), backend=state.backend,
+        bias, int(query_length), int(key_length), query_start=query_start, backend=state.backend,
         parallel=state.parallel,
     )
 
