@@ -91,3 +91,26 @@ def test_a_tensor_query_position_compiles_once_for_every_position(backend, is_ca
             want = f(q, k, position, mask)
             torch.testing.assert_close(compiled(q, k, torch.tensor(position), mask), want, rtol=1e-5, atol=1e-6)
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_backends_that_plan_from_int_positions_refuse_tensor_positions_while_compiling():
+    """blockwise, structured and toeplitz plan tiles or kernel calls in Python from int positions; with tensor
+    positions (a compiled static cache) they refuse with the reason, and auto runs the reference instead."""
+    bias = relbias.T5Bias(2, bidirectional=False)
+    q, k = torch.randn(1, 2, 1100, 8), torch.randn(1, 2, 4000, 8)
+    seen = {}
+
+    def f(q, k, v, position):
+        for name in ("blockwise", "structured", "toeplitz"):
+            seen[name] = relbias.backends.BACKENDS[name].unsupported_reasons(
+                relbias.call.make_call(q, k, v, bias=bias, is_causal=True, query_start=position)
+            )
+        return relbias.attention(q, k, v, bias=bias, is_causal=True, query_start=position)
+
+    with torch.no_grad():
+        got = torch.compile(f, fullgraph=True)(q, k, k, torch.tensor(2900))
+        want = relbias.attention(q, k, k, bias=bias, is_causal=True, query_start=2900, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, reasons in seen.items():
+        expected = "torch.compile is tracing" if name == "structured" else "the positions are tensors"
+        assert any(expected in reason for reason in reasons), (name, reasons)

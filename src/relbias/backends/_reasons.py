@@ -8,7 +8,7 @@ from ..call import AttentionCall
 
 __all__ = [
     "AUTO_REFERENCE_MAX_SCORES", "dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "small_block_reasons",
-    "tensor_bias_reasons",
+    "tensor_bias_reasons", "tensor_position_reasons",
 ]
 
 #: "auto" passes the tiled backends (flex, structured, blockwise) over for the reference when B·H·Lq·Lk is at
@@ -63,3 +63,14 @@ def small_block_reasons(call: AttentionCall) -> list[str]:
     if call.num_scores > AUTO_REFERENCE_MAX_SCORES:
         return []
     return [f"small block: {call.num_scores} scores (<= {AUTO_REFERENCE_MAX_SCORES}) are cheaper to materialise"]
+
+
+def tensor_position_reasons(call: AttentionCall, backend: str) -> list[str]:
+    """Positions that are tensors (torch.compile with a static cache), which ``backend`` (a name) would read in
+    Python to plan its tiles or kernel calls."""
+    if not isinstance(call.delta, torch.Tensor):
+        return []
+    return [
+        f"the positions are tensors (a compiled static cache); {backend} plans its work from int positions "
+        f"(reference and decode run such calls)"
+    ]

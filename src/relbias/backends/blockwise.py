@@ -24,7 +24,7 @@ from ._autograd import first_order
 from ._bias_tiles import NativeSource, PairSource
 from ._denormals import flush_denormals_for
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
-from ._reasons import small_block_reasons, tensor_bias_reasons
+from ._reasons import small_block_reasons, tensor_bias_reasons, tensor_position_reasons
 from .base import Backend
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "BlockwiseBackend", "blockwise_attention", "make_source"]
@@ -122,7 +122,7 @@ class BlockwiseBackend(Backend):
     summary = "tiled attention in PyTorch (online softmax, recomputing backward): any device, dtype, bias module and mask; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
-        return tensor_bias_reasons(call)
+        return tensor_bias_reasons(call) + tensor_position_reasons(call, "blockwise")
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:
         return small_block_reasons(call)

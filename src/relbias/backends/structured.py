@@ -37,7 +37,9 @@ from ..positions import Alignment
 from ._autograd import first_order
 from ._bias_tiles import NativeSource
 from ._cpu_flash import cpu_flash_reasons, fused_backward, fused_forward
-from ._reasons import dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
+from ._reasons import (
+    dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons, tensor_position_reasons,
+)
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
 from .base import Backend
 from .blockwise import compute_dtype
@@ -278,7 +280,10 @@ class StructuredBackend(Backend):
     summary = "far-constant bias: fused bias-free far parts (CPU flash kernel) plus a tiled band, merged by log-sum-exp; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        if torch.compiler.is_compiling():  # before far_distance(), whose T5 bucket ranges read values
+            return ["torch.compile is tracing; structured runs eagerly only (its T5 bucket ranges read values)"]
         reasons = tensor_bias_reasons(call) + dropout_reasons(call, "the fused far parts")
+        reasons += tensor_position_reasons(call, "structured")
         bias = call.bias
         if bias is None:
             reasons.append("there is no bias; bias-free attention needs no band (use blockwise or SDPA)")

@@ -31,7 +31,9 @@ import torch
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ._cpu_flash import cpu_flash_reasons
-from ._reasons import dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
+from ._reasons import (
+    dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons, tensor_position_reasons,
+)
 from ._toeplitz_kernel import toeplitz_apply
 from .base import Backend
 
@@ -54,6 +56,7 @@ class ToeplitzBackend(Backend):
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = tensor_bias_reasons(call) + dropout_reasons(call, "the fused kernel")
+        reasons += tensor_position_reasons(call, "toeplitz")
         bias = call.bias
         if not isinstance(bias, RelativeBias):
             if bias is None:
@@ -69,7 +72,9 @@ class ToeplitzBackend(Backend):
     def auto_reasons(self, call: AttentionCall) -> list[str]:
         reasons = small_block_reasons(call)
         bias = call.bias
-        if call.needs_grad and isinstance(bias, RelativeBias) and bias.offset_only and bias.far_constant_distance():
+        # compiling: structured runs eagerly only (and T5's far distance reads values)
+        far_constant = isinstance(bias, RelativeBias) and bias.offset_only and not torch.compiler.is_compiling()
+        if call.needs_grad and far_constant and bias.far_constant_distance():
             reasons.append(
                 f"gradients are needed and {type(bias).__name__} is constant far from the diagonal: structured's "
                 f"backward needs no extra pass for the bias gradient (measured 1.3x against 1.8x bias-free SDPA at "
@@ -89,14 +94,14 @@ def toeplitz_attention(
 
     Shapes: query (B, H, Lq, D), key and value (B, H, Lk, D) on CPU -> out (B, H, Lq, D) in the dtype of
     ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf (and out 0) for a query that sees
-    no key. float16 and bfloat16 inputs run on float32 copies.
+    no key. float16 and bfloat16 inputs run on float32 copies. ``block_q``: query rows per kernel call (tokens),
+    default :data:`BLOCK_Q`; ``tile``: rows and keys per tile of the bias-gradient pass, default :data:`TILE`.
 
     Precision: the backward recomputes ``p = exp(s - lse)`` from the stored log-sum-exp, which float32 holds to
     ``|lse| x 2^-24``; with scores of order 1e3 the gradients err about 5e-4 relative (the kernel's own backward),
     and with scores beyond ~1e7 (a bias of 1e30, a scale of 1e20) they are wrong while the output is right. The
     reference backend, one softmax, has no such limit. A query holding +-inf whose every score is -inf gets out 0
-    (the reference: NaN); it still reaches no other query. ``block_q``: query rows per kernel call (tokens), default :data:`BLOCK_Q`; ``tile``: rows
-    and keys per tile of the bias-gradient pass, default :data:`TILE`.
+    (the reference: NaN); it still reaches no other query.
     """
     a = call.alignment
     native = call.bias.native(
