@@ -1,8 +1,9 @@
 """The toeplitz backend's kernels, forward and backward, as ``torch.library`` custom ops.
 
 As custom ops with fake (meta) implementations, a compiled model (``torch.compile(fullgraph=True)``) calls each as one
-node, forward and backward, and their Python loops, kernel calls and denormal flushing run eagerly inside it. See
-:mod:`relbias.backends.toeplitz` for the method.
+node, forward and backward, and their Python loops, kernel calls and denormal flushing run eagerly inside it. Eager
+calls run the same functions through a plain ``autograd.Function``. See :mod:`relbias.backends.toeplitz` for the
+method.
 """
 
 from __future__ import annotations
@@ -43,8 +44,7 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op("relbias::toeplitz_forward", mutates_args=())
-def toeplitz_forward(
+def _forward_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor, scale: float,
     bias_scale: float, delta: int, is_causal: bool, min_offset: int, block_q: int, tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,14 +74,16 @@ def toeplitz_forward(
         return out, lse
 
 
+toeplitz_forward = torch.library.custom_op("relbias::toeplitz_forward", _forward_impl, mutates_args=())
+
+
 @toeplitz_forward.register_fake
 def _(query, key, value, values, scale, bias_scale, delta, is_causal, min_offset, block_q, tile):
     b, h, lq, _ = query.shape
     return query.new_empty(b, h, lq, value.shape[-1]), query.new_empty(b, h, lq, dtype=_lse_dtype(query.dtype))
 
 
-@torch.library.custom_op("relbias::toeplitz_backward", mutates_args=())
-def toeplitz_backward(
+def _backward_impl(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, values: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
     bias_scale: float, delta: int, is_causal: bool, min_offset: int, block_q: int, tile: int, values_grad: bool,
@@ -121,6 +123,9 @@ def toeplitz_backward(
         return dq, dk, dv, (grad_w.flip(-1) * bias_scale).to(values.dtype).contiguous()
 
 
+toeplitz_backward = torch.library.custom_op("relbias::toeplitz_backward", _backward_impl, mutates_args=())
+
+
 @toeplitz_backward.register_fake
 def _(grad_out, grad_lse, query, key, value, values, out, lse, scale, bias_scale, delta, is_causal, min_offset,
       block_q, tile, values_grad):
@@ -136,27 +141,46 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not zeros (which would cost a padded pass)
 
 
-@first_order("toeplitz")
-def _backward(ctx, grad_out, grad_lse):
-    query, key, value, values, out, lse = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    dq, dk, dv, dvalues = toeplitz_backward(
-        grad_out, grad_lse, query, key, value, values, out, lse, *ctx.settings, ctx.values_grad
-    )
-    return dq, dk, dv, dvalues if ctx.values_grad else None, *([None] * len(ctx.settings))
+def _backward_with(backward_op):
+    @first_order("toeplitz")
+    def backward(ctx, grad_out, grad_lse):
+        query, key, value, values, out, lse = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv, dvalues = backward_op(
+            grad_out, grad_lse, query, key, value, values, out, lse, *ctx.settings, ctx.values_grad
+        )
+        return dq, dk, dv, dvalues if ctx.values_grad else None, *([None] * len(ctx.settings))
+
+    return backward
 
 
-toeplitz_forward.register_autograd(_backward, setup_context=_setup_context)
+toeplitz_forward.register_autograd(_backward_with(toeplitz_backward), setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The same forward and backward outside torch.compile: calling a custom op eagerly makes PyTorch import its
+    compiler stack on first use (822 modules, 76 MiB of resident memory, measured), which an eager user of this
+    backend should not pay."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    backward = staticmethod(_backward_with(_backward_impl))
 
 
 def toeplitz_apply(query, key, value, values, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the forward op (differentiable through the backward op) with ``plan``'s settings: scale, bias_scale,
-    delta, is_causal, min_offset, block_q, tile."""
-    return toeplitz_forward(
-        query, key, value, values, float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"],
-        plan["min_offset"], plan["block_q"], plan["tile"],
+    """Run the forward (differentiable through the backward) with ``plan``'s settings: scale, bias_scale, delta,
+    is_causal, min_offset, block_q, tile; as the custom ops while torch.compile traces, else as plain functions."""
+    settings = (
+        float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["min_offset"],
+        plan["block_q"], plan["tile"],
     )
+    apply = toeplitz_forward if torch.compiler.is_compiling() else _Eager.apply
+    return apply(query, key, value, values, *settings)
 
 
 def _bias_gradient(query, key, value, do, kernel_lse, row_dot, w, plan) -> torch.Tensor:
