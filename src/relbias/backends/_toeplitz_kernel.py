@@ -121,7 +121,8 @@ def _backward_impl(
         if grad_lse is not None:
             row_dot = row_dot - grad_lse
         # rows with no key: dO and D zero, so their dS is exactly 0; a finite lse keeps their scores finite
-        do, row_dot = do.masked_fill(empty[..., None], 0.0), row_dot.masked_fill(empty, 0.0)
+        if bool(empty.any()):  # (B, H, Lq) bools: cheap; the copy of dO is made only when some row is empty
+            do, row_dot = do.masked_fill(empty[..., None], 0.0), row_dot.masked_fill(empty, 0.0)
         plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile}
         grad_w = _bias_gradient(query, key, value, do, lse.masked_fill(empty, 0.0), row_dot, w, plan)
         grad_values = grad_w.flip(-1) * bias_scale
