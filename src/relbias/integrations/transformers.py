@@ -1,4 +1,4 @@
-"""Run Hugging Face T5-family models (T5, mT5, Flan-T5, UMT5) with relbias attention.
+"""Run Hugging Face T5-family models (T5, mT5, Flan-T5, UMT5, Switch Transformers, Pop2Piano) with relbias attention.
 
 ``patch_t5(model)`` makes the self-attention of every encoder and decoder layer compute
 ``softmax((q . k) + u_{b(i-j)} + Mask) v`` (T5's unscaled scores, Raffel et al. 2020, JMLR 21(140), §2.1) with
@@ -64,6 +64,12 @@ _FAMILIES = {  # modeling module -> (attention class, supported model classes)
     "t5": ("T5Attention", ("T5Model", "T5ForConditionalGeneration", "T5EncoderModel")),
     "mt5": ("MT5Attention", ("MT5Model", "MT5ForConditionalGeneration", "MT5EncoderModel")),
     "umt5": ("UMT5Attention", ("UMT5Model", "UMT5ForConditionalGeneration", "UMT5EncoderModel")),
+    # Same T5 stacks and attention (transformers marks both "Copied from ... T5Attention"):
+    "switch_transformers": (
+        "SwitchTransformersAttention",
+        ("SwitchTransformersModel", "SwitchTransformersForConditionalGeneration", "SwitchTransformersEncoderModel"),
+    ),
+    "pop2piano": ("Pop2PianoAttention", ("Pop2PianoForConditionalGeneration",)),
 }
 _MASK_IMPLEMENTATIONS = ("sdpa", "eager")
 _STATE_ATTR = "_relbias_t5_patch"
@@ -367,8 +373,9 @@ def patch_t5(
 
     Args:
         model: a transformers ``T5Model``, ``T5ForConditionalGeneration``, ``T5EncoderModel`` or the ``MT5...`` /
-            ``UMT5...`` equivalent, loaded with ``attn_implementation`` "sdpa" (the default) or "eager". Patched in
-            place; the same model is returned.
+            ``UMT5...`` / ``SwitchTransformers...`` equivalent, or a ``Pop2PianoForConditionalGeneration`` (their
+            self-attention is transformers' T5Attention), loaded with ``attn_implementation`` "sdpa" (the default)
+            or "eager" (Switch Transformers has eager only). Patched in place; the same model is returned.
         backend: relbias backend for every self-attention layer: ``"auto"`` or a key of
             ``relbias.backends.BACKENDS``; default None: :func:`relbias.attention`'s default, read at each call
             (``"auto"``: the dispatcher picks by device, dtype, grad mode, mask and length).
@@ -399,7 +406,8 @@ def patch_t5(
         ImportError: transformers is not installed.
         RuntimeError: a transformers version outside :data:`SUPPORTED_TRANSFORMERS`, or a T5 attention layout this
             patch does not know.
-        TypeError: an unsupported model class.
+        TypeError: an unsupported model class (LongT5, UDOP and Pix2Struct use the T5 bias with another attention
+            or layout; the message lists the supported classes).
         ValueError: the model is already patched; an attention implementation other than "sdpa" / "eager"; an
             unknown backend.
     """
