@@ -13,14 +13,16 @@ Backward: the kernel's backward, given the same view, returns dq, dk, dv. The bi
 is one more pass, run only when the bias values require grad: per (query block, key tile) two matrix
 products recompute the scores and ``dP`` (``-lse`` and ``-D`` folded in as one more column), and the
 tile's diagonals are summed through a skewed strided copy, in a fixed order (deterministic). Saved for
-backward: O(B·H·L·D). Both run with denormals flushed to zero (:func:`flush_denormals`): ALiBi's far keys
-otherwise land in float32 denormals, which made the forward 1.4x and the backward 4x slower.
+backward: O(B·H·L·D). Both run with denormals flushed to zero on every thread
+(:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys otherwise land in float32 denormals, which
+made the forward 1.4x and the backward 4x slower; the gradient pass also clamps scores at -87 before ``exp``.
 
-Forward and backward are ``torch.library`` custom ops (:mod:`relbias.backends._toeplitz_kernel`), so a model
-compiled with ``torch.compile(fullgraph=True)`` calls each as one node.
+Under ``torch.compile`` forward and backward are ``torch.library`` custom ops
+(:mod:`relbias.backends._toeplitz_kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
+eager calls run the same functions through a plain ``autograd.Function``.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask, no dropout, CPU, equal
-query and value head_dim. float16 and bfloat16 inputs run in float32 (a half-precision mask would round the
+query and value head_dim, int positions (not the tensor positions of a compiled static cache). float16 and bfloat16 inputs run in float32 (a half-precision mask would round the
 bias).
 """
 
