@@ -13,6 +13,7 @@ import torch
 from ._autograd import first_order
 from ._cpu_flash import fused_backward, fused_forward
 from ._denormals import flush_denormals
+from .blockwise import compute_dtype
 
 __all__ = ["toeplitz_apply"]
 
@@ -42,10 +43,6 @@ def _reversed_bias(values: torch.Tensor, dtype: torch.dtype, bias_scale: float, 
     return w.flip(-1).contiguous()
 
 
-def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _forward_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor, scale: float,
     bias_scale: float, delta: int, is_causal: bool, min_offset: int, block_q: int, tile: int,
@@ -57,7 +54,7 @@ def _forward_impl(
         b, h, lq, _ = query.shape
         lk = key.shape[2]
         out = query.new_zeros(b, h, lq, value.shape[-1])
-        lse = torch.full((b, h, lq), _NEG_INF, dtype=_lse_dtype(query.dtype), device=query.device)
+        lse = torch.full((b, h, lq), _NEG_INF, dtype=compute_dtype(query.dtype), device=query.device)
         for i0 in range(0, lq, block_q):
             i1 = min(lq, i0 + block_q)
             end = _key_end(i1, delta, lk, is_causal)
@@ -82,7 +79,7 @@ toeplitz_forward = torch.library.custom_op("relbias::toeplitz_forward", _forward
 @toeplitz_forward.register_fake
 def _(query, key, value, values, scale, bias_scale, delta, is_causal, min_offset, block_q, tile):
     b, h, lq, _ = query.shape
-    return query.new_empty(b, h, lq, value.shape[-1]), query.new_empty(b, h, lq, dtype=_lse_dtype(query.dtype))
+    return query.new_empty(b, h, lq, value.shape[-1]), query.new_empty(b, h, lq, dtype=compute_dtype(query.dtype))
 
 
 def _backward_impl(

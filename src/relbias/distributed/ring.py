@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from ..backends.blockwise import compute_dtype
 from .blocks import block_backward, run_block
 from .comm import RingChannel, all_reduce_sum
 from .layout import shard_pieces
@@ -32,10 +33,6 @@ from .validate import ContextParallelCall
 __all__ = ["ring_attention"]
 
 _KV_TAG, _GRAD_TAG = 0, 8  # tags of the block exchange (k, v, starts, mask) and of the dk/dv exchange
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _blocks(call: ContextParallelCall, starts: torch.Tensor):
@@ -66,7 +63,7 @@ def _mask_slice(mask, keys: slice):
 def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats | None):
     """(out (B, H, L/P, Dv) in the compute dtype, lse (B, H, L/P)) of this rank's queries over the whole ring."""
     channel = RingChannel(call.group) if call.world_size > 1 else None
-    compute = _compute_dtype(query.dtype)
+    compute = compute_dtype(query.dtype)
     b, h, lq, _ = query.shape
     out = torch.zeros(b, h, lq, value.shape[-1], dtype=compute, device=query.device)
     lse = torch.full((b, h, lq), float("-inf"), dtype=compute, device=query.device)
