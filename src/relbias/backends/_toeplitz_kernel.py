@@ -35,22 +35,29 @@ def _key_end(i1: int, delta: int, key_len: int, is_causal: bool) -> int:
     return min(key_len, max(0, i1 + delta)) if is_causal else key_len
 
 
-def _reversed_bias(values: torch.Tensor, dtype: torch.dtype, bias_scale: float, is_causal: bool, min_offset: int):
+def _future_offsets(values: torch.Tensor, delta: int, key_len: int) -> torch.Tensor:
+    """(M,) bool: the columns of the per-offset ``values`` (Hb, M) whose offset ``i - j`` is negative (future keys).
+    Column n has offset ``min_offset + n``, with ``min_offset = delta - (key_len - 1)`` (first query, last key)."""
+    return torch.arange(values.shape[1], device=values.device) < key_len - 1 - delta
+
+
+def _reversed_bias(values: torch.Tensor, dtype: torch.dtype, bias_scale: float, is_causal: bool, delta: int,
+                   key_len: int) -> torch.Tensor:
     """``w`` (Hb, M) in ``dtype``: the scaled per-offset values reversed; causal: future offsets (< 0) -inf."""
     w = values.to(dtype) * bias_scale
-    if is_causal:  # column n of values has offset min_offset + n
-        w = w.masked_fill(torch.arange(w.shape[1], device=w.device) < -min_offset, _NEG_INF)
+    if is_causal:
+        w = w.masked_fill(_future_offsets(w, delta, key_len), _NEG_INF)
     return w.flip(-1).contiguous()
 
 
 def _forward_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor, scale: float,
-    bias_scale: float, delta: int, is_causal: bool, min_offset: int, block_q: int, tile: int,
+    bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
     ``tile`` is the backward's (kept with the forward's settings)."""
     with flush_denormals():
-        w = _reversed_bias(values, query.dtype, bias_scale, is_causal, min_offset)
+        w = _reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
         b, h, lq, _ = query.shape
         lk = key.shape[2]
         out = query.new_zeros(b, h, lq, value.shape[-1])
@@ -77,7 +84,7 @@ toeplitz_forward = torch.library.custom_op("relbias::toeplitz_forward", _forward
 
 
 @toeplitz_forward.register_fake
-def _(query, key, value, values, scale, bias_scale, delta, is_causal, min_offset, block_q, tile):
+def _(query, key, value, values, scale, bias_scale, delta, is_causal, block_q, tile):
     b, h, lq, _ = query.shape
     return query.new_empty(b, h, lq, value.shape[-1]), query.new_empty(b, h, lq, dtype=compute_dtype(query.dtype))
 
@@ -85,11 +92,11 @@ def _(query, key, value, values, scale, bias_scale, delta, is_causal, min_offset
 def _backward_impl(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, values: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-    bias_scale: float, delta: int, is_causal: bool, min_offset: int, block_q: int, tile: int, values_grad: bool,
+    bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int, values_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``."""
     with flush_denormals():
-        w = _reversed_bias(values, query.dtype, bias_scale, is_causal, min_offset)
+        w = _reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
         lq, lk = query.shape[2], key.shape[2]
         do = grad_out.to(out.dtype)
         empty = lse == _NEG_INF
@@ -124,7 +131,7 @@ def _backward_impl(
         grad_w = _bias_gradient(query, key, value, do, lse.masked_fill(empty, 0.0), row_dot, w, plan)
         grad_values = grad_w.flip(-1) * bias_scale
         if is_causal:  # future offsets: no query sees them (exactly 0, whatever the clamped exp gave there)
-            grad_values.masked_fill_(torch.arange(grad_values.shape[1], device=w.device) < -min_offset, 0.0)
+            grad_values.masked_fill_(_future_offsets(grad_values, delta, lk), 0.0)
         return dq, dk, dv, grad_values.to(values.dtype).contiguous()
 
 
@@ -132,15 +139,15 @@ toeplitz_backward = torch.library.custom_op("relbias::toeplitz_backward", _backw
 
 
 @toeplitz_backward.register_fake
-def _(grad_out, grad_lse, query, key, value, values, out, lse, scale, bias_scale, delta, is_causal, min_offset,
-      block_q, tile, values_grad):
+def _(grad_out, grad_lse, query, key, value, values, out, lse, scale, bias_scale, delta, is_causal, block_q, tile,
+      values_grad):
     dvalues = values.new_empty(values.shape) if values_grad else values.new_empty(0)  # contiguous, as the op's
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value), dvalues
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, values, *settings = inputs
-    ctx.settings = settings  # scale, bias_scale, delta, is_causal, min_offset, block_q, tile
+    ctx.settings = settings  # scale, bias_scale, delta, is_causal, block_q, tile
     ctx.values_grad = values.requires_grad
     ctx.save_for_backward(query, key, value, values, *output)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not zeros (which would cost a padded pass)
@@ -179,10 +186,10 @@ class _Eager(torch.autograd.Function):
 
 def toeplitz_apply(query, key, value, values, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward (differentiable through the backward) with ``plan``'s settings: scale, bias_scale, delta,
-    is_causal, min_offset, block_q, tile; as the custom ops while torch.compile traces, else as plain functions."""
+    is_causal, block_q, tile; as the custom ops while torch.compile traces, else as plain functions."""
     settings = (
-        float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["min_offset"],
-        plan["block_q"], plan["tile"],
+        float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
+        plan["tile"],
     )
     apply = toeplitz_forward if torch.compiler.is_compiling() else _Eager.apply
     return apply(query, key, value, values, *settings)

@@ -114,7 +114,7 @@ def toeplitz_attention(
         query, key, value = query.float(), key.float(), value.float()
     plan = {
         "scale": call.scale, "bias_scale": call.bias_scale, "delta": call.delta, "is_causal": call.is_causal,
-        "min_offset": a.min_offset, "block_q": block_q or BLOCK_Q, "tile": tile or TILE,
+        "block_q": block_q or BLOCK_Q, "tile": tile or TILE,
     }
     out, lse = toeplitz_apply(query, key, value, native.values, plan)
     return out.to(call.query.dtype), lse
