@@ -126,3 +126,16 @@ def test_keys_and_values_with_a_strided_last_dimension_match_the_reference(backe
         got = relbias.attention(q.transpose(-1, -2).contiguous().transpose(-1, -2), k, v, bias=bias, backend=backend)
         want = relbias.attention(q, k.contiguous(), v.contiguous(), bias=bias, backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["kerple_log", "alibi"])
+def test_inputs_stored_batch_length_heads_dim_get_every_gradient_of_the_reference(family):
+    """(B, L, H, D) tensors transposed to (B, H, L, D), as a projection's output usually is: the tiled backward
+    (with bias parameters) and the kernel's backward (ALiBi, none) both gather their rows from strided inputs."""
+    torch.manual_seed(1)
+    bias, params = _bias(family, bidirectional=True)
+    q, k, v = (torch.randn(B, 40, H, D, dtype=torch.float64).transpose(1, 2) for _ in range(3))
+    got = _run("toeplitz", q, k, v, bias, params)
+    want = _run("reference", q, k, v, bias, params)
+    for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")

@@ -8,14 +8,13 @@ strides (1, 1), so no (H, Lq, Lk) tensor is ever formed. PyTorch's CPU flash-att
 view as its additive ``attn_mask``, one call per block of :data:`BLOCK_Q` query rows against the keys the
 block can see (causal: a prefix; the future keys of its diagonal read ``-inf`` from ``w``).
 
-Backward: the kernel's backward, given the same view, returns dq, dk, dv. The bias gradient
-``dPE(t) = sum_{i - j = t} dS_ij`` with ``dS = P * (dP - D)`` (FlashAttention, Dao et al. 2022, Alg. 2)
-is one more pass, run only when the bias values require grad: per (query block, key tile) two matrix
-products recompute the scores and ``dP`` (``-lse`` and ``-D`` folded in as one more column), and the
-tile's diagonals are summed through a skewed strided copy, in a fixed order (deterministic). Saved for
-backward: O(B·H·L·D). Both run with denormals flushed to zero on every thread
+Backward: without a bias gradient (ALiBi, or bias parameters that need none), the kernel's backward, given the
+same view, returns dq, dk, dv. With one, a single tiled pass (:mod:`relbias.backends._toeplitz_backward`) forms
+``P`` and ``dS = P * (dP - D)`` once per (query tile, key tile) and from them dq, dk, dv and the bias gradient
+``dPE(t) = sum_{i - j = t} dS_ij`` (FlashAttention, Dao et al. 2022, Alg. 2), the tile's diagonals summed in a
+fixed order (deterministic). Saved for backward: O(B·H·L·D). Both run with denormals flushed to zero on every thread
 (:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys otherwise land in float32 denormals, which
-made the forward 1.4x and the backward 4x slower; the gradient pass also clamps scores at -87 before ``exp``.
+made the forward 1.4x and the backward 4x slower; the tiled pass also clamps scores at -87 before ``exp``.
 
 Under ``torch.compile`` forward and backward are ``torch.library`` custom ops
 (:mod:`relbias.backends._toeplitz_kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
@@ -43,7 +42,7 @@ __all__ = ["BLOCK_Q", "TILE", "ToeplitzBackend", "toeplitz_attention"]
 
 #: Query rows per fused kernel call (tokens); causal calls waste about BLOCK_Q / 2 keys per row on the diagonal.
 BLOCK_Q = 512
-#: Rows and keys per tile of the bias-gradient pass (tokens).
+#: Rows and keys per tile of the backward pass that also gives the bias gradient (tokens).
 TILE = 256
 
 
@@ -53,7 +52,7 @@ class ToeplitzBackend(Backend):
     name = "toeplitz"
     summary = (
         "offset-only bias: a strided view of its per-offset values as the additive mask of PyTorch's fused CPU "
-        "flash kernel, per query block; bias gradient by one extra tiled pass; memory O(N·D)"
+        "flash kernel, per query block; with a bias gradient, one tiled backward forming dS once; memory O(N·D)"
     )
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
@@ -97,7 +96,7 @@ def toeplitz_attention(
     Shapes: query (B, H, Lq, D), key and value (B, H, Lk, D) on CPU -> out (B, H, Lq, D) in the dtype of
     ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf (and out 0) for a query that sees
     no key. float16 and bfloat16 inputs run on float32 copies. ``block_q``: query rows per kernel call (tokens),
-    default :data:`BLOCK_Q`; ``tile``: rows and keys per tile of the bias-gradient pass, default :data:`TILE`.
+    default :data:`BLOCK_Q`; ``tile``: rows and keys per tile of the backward with a bias gradient, default :data:`TILE`.
 
     Precision: the backward recomputes ``p = exp(s - lse)`` from the stored log-sum-exp, which float32 holds to
     ``|lse| x 2^-24``; with scores of order 1e3 the gradients err about 5e-4 relative (the kernel's own backward),
