@@ -1,0 +1,155 @@
+"""The toeplitz backend's backward with a bias gradient as a fused C++ kernel, built on first use; else Python.
+
+:func:`backward` returns what :func:`relbias.backends._toeplitz_backward.tiled_backward` returns (dq, dk, dv and
+the gradient of the reversed bias ``w``), computed by ``csrc/toeplitz_backward.cpp``: the FlashAttention-2 backward
+(Dao 2023, Alg. 2) over (query tile, key tile) pairs, parallel over batch x heads, with the scores, ``P``, ``dS``
+and the bias gradient's diagonal sums formed in one elementwise pass per tile (a polynomial ``exp`` that the
+compiler vectorises) between single-threaded GEMMs. The Python version makes about eight elementwise passes per
+tile. Results are deterministic (the per-(batch, head) bias-gradient rows are summed in a fixed order).
+
+Building: :func:`torch.utils.cpp_extension.load` (needs a C++ compiler and the ``ninja`` package), with
+``-O3 -march=native``, once per machine kind into ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default
+``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is respected), in a folder named after the torch and
+Python versions, a hash of the CPU's feature flags and a hash of the source and flags: a build for one CPU is never
+loaded on another. The first call pays the build (about a minute, once); later processes load it.
+
+Fallback: when the build or load fails, or the environment sets ``RELBIAS_NATIVE=0``, or the inputs are not CPU
+float32 / float64, :func:`backward` runs the Python ``tiled_backward`` (same results up to rounding); the first
+fallback for each reason warns once (``RuntimeWarning`` naming it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from ._toeplitz_backward import tiled_backward
+
+__all__ = ["backward", "load_native", "native_backward", "native_unavailable_reason"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "toeplitz_backward.cpp"
+_CFLAGS = ("-O3", "-march=native")
+_LOCK = threading.Lock()
+_loaded: dict[str, object] = {}  # "module" or "error" once the build was tried
+_warned: set[str] = set()
+
+
+def _cpu_key() -> str:
+    """A hash of what the CPU can execute: the ``flags`` (x86) or ``Features`` (Arm) line of /proc/cpuinfo, else
+    the platform's processor name."""
+    text = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.split(":", 1)[0].strip() in ("flags", "Features"):
+                    text = line
+                    break
+    except OSError:
+        pass
+    text = text or f"{platform.machine()} {platform.processor()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _build_directory(source_hash: str) -> Path:
+    """The build folder for this torch, Python, CPU and source (created)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root:
+        base = Path(root) / "relbias"
+    else:
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        base = Path(cache) / "relbias" / "torch_extensions"
+    name = (f"toeplitz_backward-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+            f"-cpu{_cpu_key()}-src{source_hash}")
+    folder = base / name.replace("+", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _build():
+    from torch.utils import cpp_extension
+
+    source = _SOURCE.read_bytes()
+    source_hash = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    return cpp_extension.load(
+        name=f"relbias_toeplitz_backward_{source_hash}", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+        build_directory=str(_build_directory(source_hash)), verbose=False,
+    )
+
+
+def load_native():
+    """The built extension module (with ``toeplitz_backward`` and ``has_blas``), building it on the first call;
+    None when ``RELBIAS_NATIVE=0`` is set or the build failed (see :func:`native_unavailable_reason`). The build is
+    tried once per process."""
+    if native_unavailable_reason() is not None:
+        return None
+    return _loaded.get("module")
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the native kernel is not used (``RELBIAS_NATIVE=0``, or the build's error), or None when it is; the
+    first call builds or loads it."""
+    if os.environ.get("RELBIAS_NATIVE", "").strip() == "0":
+        return "RELBIAS_NATIVE=0 is set"
+    if not _loaded:
+        with _LOCK:
+            if not _loaded:
+                try:
+                    _loaded["module"] = _build()
+                except Exception as error:  # no compiler, no ninja, a compile error: the Python version runs
+                    _loaded["error"] = f"building it failed ({type(error).__name__}: {str(error).strip()[:500]})"
+    return _loaded.get("error")
+
+
+def _fall_back(reason: str) -> None:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"relbias: the toeplitz backward runs in Python, not the native kernel: {reason}",
+                      RuntimeWarning, stacklevel=3)
+
+
+def backward(
+    do: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, grad_w) for the toeplitz forward by the native kernel, or by the Python ``tiled_backward`` where
+    it is unavailable (warning once per reason); arguments and results as ``tiled_backward``'s.
+
+    Shapes: ``do``, ``query``, ``out`` (B, H, Lq, D) and ``key``, ``value`` (B, H, Lk, D), float32 or float64 on
+    CPU (any strides: copied contiguous); ``lse`` (B, H, Lq) float32 / float64, -inf for a query that sees no key;
+    ``grad_lse`` None or like ``lse``; ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a
+    causal call's future offsets). ``plan``: scale, delta, is_causal, tile (rows and keys per tile, tokens).
+    Returns contiguous dq, dk, dv like the inputs and ``grad_w`` (Hb, Lq + Lk - 1) in the inputs' dtype (values at
+    future offsets: unspecified, the caller zeroes them). Source: FlashAttention-2 backward (Dao 2023, Alg. 2).
+    """
+    dtype = query.dtype
+    if dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+        return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
+    reason = native_unavailable_reason()
+    if reason is not None:
+        _fall_back(reason)
+        return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
+    return native_backward(do, query, key, value, out, lse, grad_lse, w, plan)
+
+
+def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas: bool = True):
+    """:func:`backward` by the native kernel only (raises RuntimeError where it is unavailable). ``blas``: GEMMs
+    through the BLAS that libtorch exports (MKL's sgemm_ / dgemm_) when present, else through at::addmm_out
+    (False: always at::addmm_out; for tests)."""
+    module = load_native()
+    if module is None:
+        raise RuntimeError(f"the native toeplitz backward is unavailable: {native_unavailable_reason()}")
+    dtype = query.dtype
+    tensors = [t.to(dtype).contiguous() for t in (do, query, key, value, out, lse)]
+    grad_lse = None if grad_lse is None else grad_lse.to(dtype).contiguous()
+    dq, dk, dv, grad_w = module.toeplitz_backward(
+        *tensors, grad_lse, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]),
+        bool(plan["is_causal"]), int(plan["tile"]), blas,
+    )
+    return dq, dk, dv, grad_w

@@ -1,0 +1,308 @@
+// The toeplitz backend's backward with a bias gradient, fused: dq, dk, dv and the gradient of the reversed bias
+// in one tiled pass (FlashAttention-2 backward, Dao 2023, Alg. 2). Same math and outputs as the Python
+// relbias.backends._toeplitz_backward.tiled_backward; built and loaded by relbias.backends._toeplitz_native.
+//
+// For query i and key j the bias is w[Lq - 1 - i + j] (w: the reversed, scaled per-offset values, (Hb, Lq+Lk-1)),
+// so one query row reads, and its bias gradient adds into, a contiguous window of w. Per (query tile, key tile):
+//
+//   S  = scale q k^T                          (GEMM)
+//   dP = dO v^T                               (GEMM)
+//   P  = exp(max(S + w - lse, -87)),  dS = P * (dP - D),  dw[Lq-1-i+j] += dS_ij    (one fused pass)
+//   dv += P^T dO,  dq += scale dS k,  dk += scale dS^T q                        (GEMMs)
+//
+// with D_i = dO_i . O_i - grad_lse_i. P is exactly 0 for a causal call's future keys (j > i + delta) and for
+// queries whose lse is -inf (they see no key); such rows add nothing to any gradient.
+//
+// Parallel over B*H: each task owns its dq, dk, dv rows and its own bias-gradient row, and the rows are summed over
+// batch (and heads, for a bias shared by every head) in a fixed order afterwards, so results are bit-identical
+// across runs and thread counts. GEMMs are single-threaded BLAS calls inside a task (sgemm_/dgemm_ that
+// libtorch_cpu exports when built with MKL, else at::addmm_out on tile views). Denormals: the caller flushes them
+// on every OpenMP thread; exp's clamp at -87 keeps float32 results normal anyway.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+// Fortran BLAS (column-major); weak so that a libtorch without them (no MKL / BLAS exported) still loads.
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
+            const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+}
+
+namespace {
+
+constexpr double kExpFloor = -87.0;  // e^-87 = 1.6e-38: float32's smallest normals (as the Python version)
+
+template <typename T>
+inline T bits_to(typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type v) {
+  T out;
+  std::memcpy(&out, &v, sizeof(T));
+  return out;
+}
+
+// exp(x) for x already clamped to [-87, hi] (hi: 88 for float, 709 for double): x = n ln2 + r, |r| <= ln2 / 2,
+// exp(x) = 2^n p(r) with p a Taylor polynomial (float: degree 7, relative error < 2e-7; double: degree 13,
+// < 1e-16 before rounding). Plain arithmetic and bit casts, so GCC vectorises a loop of it at -O3 (no
+// -ffast-math: the rounding trick (t + shifter) - shifter must not be reassociated).
+inline float exp_clamped(float x) {
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float t = x * 1.44269504088896341f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693359375f;  // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
+  r = r + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 127]
+  return p * bits_to<float>(e);
+}
+
+inline double exp_clamped(double x) {
+  const double shifter = 6755399441055744.0;  // 1.5 * 2^52
+  double t = x * 1.4426950408889634074 + shifter;
+  double n = t - shifter;
+  double r = x - n * 6.93147180369123816490e-01;  // fdlibm's ln2_hi, ln2_lo
+  r = r - n * 1.90821492927058770002e-10;
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  int64_t e = (static_cast<int64_t>(n) + 1023) << 52;  // n in [-126, 1023]
+  return p * bits_to<double>(e);
+}
+
+template <typename T> constexpr T exp_ceiling() { return sizeof(T) == 4 ? T(88) : T(709); }
+
+// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(A) (m x k), op(B) (k x n). beta 0: C is not read.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+          const T* b, int64_t ldb, T beta, T* c, int64_t ldc, bool blas) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // nothing to multiply: C = beta C
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+    return;
+  }
+  if (blas) {
+    // Column-major view: C^T (n x m) = op(B)^T op(A)^T, B^T's column-major storage being B's row-major one.
+    const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+    const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+    if constexpr (std::is_same<T, float>::value) {
+      sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+    } else {
+      dgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+    }
+    return;
+  }
+  auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+    at::Tensor t = at::from_blob(const_cast<T*>(p), {trans ? cols : rows, trans ? rows : cols}, {ld, 1}, options);
+    return trans ? t.t() : t;
+  };
+  at::Tensor ct = at::from_blob(c, {m, n}, {ldc, 1}, options);
+  at::addmm_out(ct, ct, view(a, m, k, lda, trans_a), view(b, k, n, ldb, trans_b), beta, alpha);
+}
+
+template <typename T>
+void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
+                     const at::Tensor& w, double scale_d, int64_t delta, bool is_causal, int64_t tile, bool blas,
+                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_w) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
+  const int64_t Lk = k.size(2), Dv = v.size(3);
+  const int64_t Hb = w.size(0), M = w.size(1);
+  const int64_t BH = B * H;
+  const T scale = static_cast<T>(scale_d);
+  const T floor = static_cast<T>(kExpFloor), ceiling = exp_ceiling<T>();
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+
+  const T* do_p = dout.data_ptr<T>();
+  const T* q_p = q.data_ptr<T>();
+  const T* k_p = k.data_ptr<T>();
+  const T* v_p = v.data_ptr<T>();
+  const T* o_p = out.data_ptr<T>();
+  const T* lse_p = lse.data_ptr<T>();
+  const T* glse_p = grad_lse.has_value() ? grad_lse->data_ptr<T>() : nullptr;
+  const T* w_p = w.data_ptr<T>();
+  T* dq_p = dq.data_ptr<T>();
+  T* dk_p = dk.data_ptr<T>();
+  T* dv_p = dv.data_ptr<T>();
+
+  // One bias-gradient row per (b, h), zeroed: summed in a fixed order below.
+  at::Tensor rows = at::zeros({BH, M}, w.options());
+  T* rows_p = rows.data_ptr<T>();
+
+  at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile);
+    T* S = s_buf.data();   // scores, then P
+    T* dP = dp_buf.data(); // dO v^T, then dS
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t hb = Hb == 1 ? 0 : bh % H;
+      const T* wr = w_p + hb * M;
+      T* gr = rows_p + bh * M;
+      const T* qb = q_p + bh * Lq * Dk;
+      const T* dob = do_p + bh * Lq * Dv;
+      const T* ob = o_p + bh * Lq * Dv;
+      const T* kb = k_p + bh * Lk * Dk;
+      const T* vb = v_p + bh * Lk * Dv;
+      T* dqb = dq_p + bh * Lq * Dk;
+      T* dkb = dk_p + bh * Lk * Dk;
+      T* dvb = dv_p + bh * Lk * Dv;
+      for (int64_t i0 = 0; i0 < Lq; i0 += tile) {
+        const int64_t i1 = std::min(Lq, i0 + tile), bq = i1 - i0;
+        const int64_t kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
+        if (kend == 0) continue;
+        bool any_row = false;
+        for (int64_t a = 0; a < bq; ++a) {  // D_i = dO_i . O_i - grad_lse_i; lse -inf: the row sees no key
+          const int64_t i = i0 + a;
+          const T l = lse_p[bh * Lq + i];
+          row_lse[a] = l;
+          if (l == neg_inf) continue;
+          any_row = true;
+          const T* dor = dob + i * Dv;
+          const T* orow = ob + i * Dv;
+          T dot = 0;
+          for (int64_t d = 0; d < Dv; ++d) dot += dor[d] * orow[d];
+          row_d[a] = glse_p ? dot - glse_p[bh * Lq + i] : dot;
+        }
+        if (!any_row) continue;
+        const T* qt = qb + i0 * Dk;
+        const T* dot_ = dob + i0 * Dv;
+        for (int64_t k0 = 0; k0 < kend; k0 += tile) {
+          const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
+          const T* kt = kb + k0 * Dk;
+          const T* vt = vb + k0 * Dv;
+          gemm<T>(false, true, bq, bk, Dk, scale, qt, Dk, kt, Dk, T(0), S, tile, blas);
+          gemm<T>(false, true, bq, bk, Dv, T(1), dot_, Dv, vt, Dv, T(0), dP, tile, blas);
+          for (int64_t a = 0; a < bq; ++a) {
+            const int64_t i = i0 + a;
+            T* __restrict__ srow = S + a * tile;
+            T* __restrict__ prow = dP + a * tile;
+            int64_t jend = bk;  // keys k0 + j, j < jend, are visible to query i
+            if (row_lse[a] == neg_inf) {
+              jend = 0;
+            } else if (is_causal) {
+              jend = std::min(bk, std::max<int64_t>(0, i + delta + 1 - k0));
+            }
+            const T l = row_lse[a], dd = row_d[a];
+            const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
+            T* __restrict__ grow = gr + (Lq - 1 - i + k0);
+            for (int64_t j = 0; j < jend; ++j) {
+              T x = srow[j] + wrow[j] - l;
+              x = x < floor ? floor : x;
+              x = x > ceiling ? ceiling : x;
+              const T p = exp_clamped(x);
+              const T ds = p * (prow[j] - dd);
+              srow[j] = p;
+              prow[j] = ds;
+              grow[j] += ds;
+            }
+            for (int64_t j = jend; j < bk; ++j) {
+              srow[j] = T(0);
+              prow[j] = T(0);
+            }
+          }
+          gemm<T>(true, false, bk, Dv, bq, T(1), S, tile, dot_, Dv, T(1), dvb + k0 * Dv, Dv, blas);
+          gemm<T>(false, false, bq, Dk, bk, scale, dP, tile, kt, Dk, T(1), dqb + i0 * Dk, Dk, blas);
+          gemm<T>(true, false, bk, Dk, bq, scale, dP, tile, qt, Dk, T(1), dkb + k0 * Dk, Dk, blas);
+        }
+      }
+    }
+  });
+
+  // grad_w[hb, m] = sum over b (and h, for a shared bias) of the rows, in order b, h: deterministic.
+  T* gw_p = grad_w.data_ptr<T>();
+  at::parallel_for(0, M, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t hb = 0; hb < Hb; ++hb) {
+      T* dst = gw_p + hb * M;
+      for (int64_t m = begin; m < end; ++m) dst[m] = T(0);
+      for (int64_t b = 0; b < B; ++b) {
+        for (int64_t h = 0; h < H; ++h) {
+          if (Hb != 1 && h != hb) continue;
+          const T* src = rows_p + (b * H + h) * M;
+          for (int64_t m = begin; m < end; ++m) dst[m] += src[m];
+        }
+      }
+    }
+  });
+}
+
+void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace
+
+// (dq, dk, dv, grad_w) for the toeplitz forward; see the file's head. Shapes: dout, q, out (B, H, Lq, D·);
+// k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; all contiguous CPU tensors
+// of one dtype, float32 or float64. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
+// (when present) instead of at::addmm_out.
+std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                          const c10::optional<at::Tensor>& grad_lse, const at::Tensor& w,
+                                          double scale, int64_t delta, bool is_causal, int64_t tile, bool blas) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "toeplitz_backward: float32 or float64, got ", dtype);
+  check(q, "query", dtype, 4);
+  check(k, "key", dtype, 4);
+  check(v, "value", dtype, 4);
+  check(dout, "grad_out", dtype, 4);
+  check(out, "out", dtype, 4);
+  check(lse, "lse", dtype, 3);
+  check(w, "w", dtype, 2);
+  if (grad_lse.has_value()) check(*grad_lse, "grad_lse", dtype, 3);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
+                  k.size(3) == q.size(3), "toeplitz_backward: query, key, value shapes disagree");
+  TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == B && out.size(1) == H && out.size(2) == Lq &&
+                  out.size(3) == v.size(3), "toeplitz_backward: grad_out and out must be (B, H, Lq, Dv)");
+  TORCH_CHECK(lse.size(0) == B && lse.size(1) == H && lse.size(2) == Lq, "toeplitz_backward: lse must be (B, H, Lq)");
+  if (grad_lse.has_value()) TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "toeplitz_backward: grad_lse like lse");
+  TORCH_CHECK((w.size(0) == 1 || w.size(0) == H) && w.size(1) == Lq + Lk - 1,
+              "toeplitz_backward: w must be (1 or H, Lq + Lk - 1)");
+  TORCH_CHECK(tile > 0, "toeplitz_backward: tile must be positive");
+  const bool have_blas = dtype == at::kFloat ? sgemm_ != nullptr : dgemm_ != nullptr;
+  const int64_t big = std::numeric_limits<int>::max();
+  blas = blas && have_blas && q.size(3) < big && v.size(3) < big && tile < big;
+  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v), grad_w = at::empty_like(w);
+  AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_backward", [&] {
+    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, scale, delta, is_causal, tile, blas, dq, dk,
+                              dv, grad_w);
+  });
+  return {dq, dk, dv, grad_w};
+}
+
+bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("toeplitz_backward", &toeplitz_backward, "toeplitz backward with a bias gradient (dq, dk, dv, grad_w)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
+}
