@@ -12,8 +12,8 @@ import torch
 
 from ._autograd import first_order
 from ._cpu_flash import fused_backward, fused_forward
+from . import _toeplitz_native
 from ._denormals import flush_denormals
-from ._toeplitz_backward import tiled_backward
 from ._toeplitz_view import block_mask, future_offsets, key_end, reversed_bias
 from .blockwise import compute_dtype
 
@@ -68,7 +68,9 @@ def _backward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``.
     Without a bias gradient, the kernel's own backward per query block; with one, a single tiled pass that forms
-    ``dS`` once for all four (:mod:`relbias.backends._toeplitz_backward`)."""
+    ``dS`` once for all four: the fused C++ kernel (:mod:`relbias.backends._toeplitz_native`, built on first use),
+    or where it cannot be built or ``RELBIAS_NATIVE=0`` is set, its Python version
+    (:mod:`relbias.backends._toeplitz_backward`), warning once."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
         do = grad_out.to(out.dtype)
@@ -80,7 +82,7 @@ def _backward_impl(
                                           w, scale, delta, is_causal, block_q)
             return dq, dk, dv, values.new_empty(0)
         plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile}
-        dq, dk, dv, grad_w = tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
+        dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan)
         grad_values = grad_w.flip(-1) * bias_scale
         if is_causal:  # future offsets: no query sees them
             grad_values.masked_fill_(future_offsets(grad_values, delta, key.shape[2]), 0.0)

@@ -1,0 +1,204 @@
+"""The toeplitz backward's native kernel (csrc/toeplitz_backward.cpp) against its Python version and the reference:
+float64 to 1e-9 on uneven shapes (tiles smaller than and not dividing the lengths, causal and bidirectional,
+Lq != Lk, queries that see no key, a bias shared by every head, an lse gradient), float32 against float64,
+bit-identical repeats, and the fallback to Python (RELBIAS_NATIVE=0, a failed build) with its one warning."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import relbias
+from relbias.backends import _toeplitz_native, toeplitz
+from relbias.backends._toeplitz_backward import tiled_backward
+from relbias.backends._toeplitz_kernel import _forward_impl
+from relbias.backends._toeplitz_view import future_offsets, reversed_bias
+from relbias.biases import make_bias
+
+B, H, D = 2, 3, 8
+
+pytestmark = pytest.mark.skipif(
+    _toeplitz_native.native_unavailable_reason() is not None,
+    reason=f"native toeplitz backward unavailable: {_toeplitz_native.native_unavailable_reason()}",
+)
+
+
+def _inputs(lq, lk, hb, delta, is_causal, dtype, *, grad_lse=True, seed=0, tile=5):
+    """Random q, k, v, the toeplitz forward's out and lse, dO, an lse gradient and the reversed bias ``w``."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype) for n in (lq, lk, lk))
+    values = torch.randn(hb, lq + lk - 1, generator=g, dtype=dtype)
+    scale = D ** -0.5
+    out, lse = _forward_impl(q, k, v, values, scale, 1.0, delta, is_causal, 7, tile)
+    do = torch.randn(out.shape, generator=g, dtype=dtype)
+    glse = torch.randn(lse.shape, generator=g, dtype=lse.dtype).masked_fill(lse == float("-inf"), 0.0)
+    w = reversed_bias(values, dtype, 1.0, is_causal, delta, lk)
+    plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile}
+    return (do, q, k, v, out, lse, glse if grad_lse else None, w), plan
+
+
+def _visible(grad_w, delta, lk, is_causal):
+    """grad_w with its future offsets (no query sees them; unspecified values) zeroed."""
+    if not is_causal:
+        return grad_w
+    return grad_w.flip(-1).masked_fill(future_offsets(grad_w, delta, lk), 0.0).flip(-1)
+
+
+DIRECT = [  # (Lq, Lk, Hb, delta, is_causal, tile)
+    (45, 45, H, 0, True, 7),
+    (45, 45, H, 0, False, 16),
+    (17, 50, H, 33, True, 5),  # a KV cache: queries on the last keys
+    (50, 17, 1, 0, True, 6),  # more queries than keys, one bias for every head
+    (30, 40, H, -12, True, 9),  # the first 12 queries see no key
+    (30, 40, 1, 22, False, 64),  # one tile larger than both lengths
+]
+
+
+@pytest.mark.parametrize("blas", [True, False], ids=["blas", "addmm"])
+@pytest.mark.parametrize("case", DIRECT, ids=lambda c: f"{c[0]}x{c[1]}-hb{c[2]}-d{c[3]}-{'causal' if c[4] else 'bidi'}-t{c[5]}")
+def test_float64_native_equals_the_python_tiled_backward(case, blas):
+    lq, lk, hb, delta, is_causal, tile = case
+    args, plan = _inputs(lq, lk, hb, delta, is_causal, torch.float64, tile=tile)
+    got = _toeplitz_native.native_backward(*args, plan, blas=blas)
+    want = tiled_backward(*args, plan)
+    for name, g, w in zip(["dq", "dk", "dv", "grad_w"], got, want):
+        if name == "grad_w":
+            g, w = _visible(g, delta, lk, is_causal), _visible(w, delta, lk, is_causal)
+        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+    if delta < 0 and is_causal:  # queries that see no key get exactly zero
+        assert bool((got[0][:, :, :-delta] == 0).all())
+
+
+def _bias(name, *, bidirectional, num_heads=H):
+    if name == "function":  # a learnable function of the offset, shared by every head when num_heads is 1
+        weight = torch.nn.Parameter(torch.randn(num_heads, 1, dtype=torch.float64))
+        return relbias.FunctionBias(lambda o: torch.sin(weight * o.double() / 3) * weight, num_heads=num_heads,
+                                    bidirectional=bidirectional), [weight]
+    bias = make_bias(name, num_heads=num_heads, max_len=60, bidirectional=bidirectional).double()
+    with torch.no_grad():
+        for p in bias.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return bias, list(bias.parameters())
+
+
+def _run(backend, q, k, v, bias, params, **kwargs):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    for p in params:
+        p.grad = None
+    out, lse = relbias.attention(q, k, v, bias=bias, backend=backend, return_lse=True, **kwargs)
+    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
+    loss = (out * weights).sum() + 0.3 * torch.where(torch.isinf(lse), 0.0, lse).sum()  # an lse gradient
+    loss.backward()
+    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad] + [p.grad for p in params]
+
+
+def _python_must_not_run(*args, **kwargs):
+    raise AssertionError("the Python tiled_backward ran: the native kernel was expected")
+
+
+CASES = [  # (Lq, Lk, query_start, key_start, is_causal, family, bias heads)
+    (45, 45, None, 0, True, "kerple_log", H),
+    (45, 45, None, 0, False, "kerple_log", H),
+    (17, 50, None, 0, True, "t5", H),
+    (50, 17, 0, 0, True, "kerple_power", H),
+    (30, 40, -12, 0, True, "kerple_log", H),  # the first 12 queries see no key
+    (30, 40, 25, 3, False, "function", 1),  # one bias for every head
+    (33, 33, None, 0, True, "function", 1),
+]
+
+
+@pytest.mark.parametrize("tile", [5, 16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-qs{c[2]}-{'causal' if c[4] else 'bidi'}-{c[5]}-hb{c[6]}")
+def test_float64_attention_through_the_native_kernel_matches_the_reference(case, tile, monkeypatch):
+    monkeypatch.setattr(toeplitz, "TILE", tile)
+    monkeypatch.setattr(toeplitz, "BLOCK_Q", 11)
+    monkeypatch.setattr(_toeplitz_native, "tiled_backward", _python_must_not_run)
+    lq, lk, query_start, key_start, is_causal, family, heads = case
+    torch.manual_seed(lq + lk + tile)
+    bias, params = _bias(family, bidirectional=not is_causal or family == "function", num_heads=heads)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (lq, lk, lk))
+    kwargs = dict(is_causal=is_causal, query_start=query_start, key_start=key_start)
+    got = _run("toeplitz", q, k, v, bias, params, **kwargs)
+    want = _run("reference", q, k, v, bias, params, **kwargs)
+    for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_float32_native_is_close_to_the_float64_reference(is_causal, monkeypatch):
+    monkeypatch.setattr(toeplitz, "TILE", 24)
+    monkeypatch.setattr(_toeplitz_native, "tiled_backward", _python_must_not_run)
+    torch.manual_seed(3)
+    bias, params = _bias("kerple_log", bidirectional=not is_causal)
+    q, k, v = (torch.randn(B, H, 70, D, dtype=torch.float64) for _ in range(3))
+    bias32 = copy.deepcopy(bias).float()
+    want = _run("reference", q, k, v, bias, params, is_causal=is_causal)
+    got = _run("toeplitz", q.float(), k.float(), v.float(), bias32, list(bias32.parameters()), is_causal=is_causal)
+    assert len(got) == len(want) > 5
+    for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias", "bias"], got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), w, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("hb", [H, 1])
+def test_float32_results_are_bit_identical_across_runs(hb):
+    args, plan = _inputs(90, 90, hb, 0, True, torch.float32, tile=16)
+    first = _toeplitz_native.native_backward(*args, plan)
+    second = _toeplitz_native.native_backward(*args, plan)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_non_contiguous_inputs_give_contiguous_gradients_like_the_fake_kernel():
+    args, plan = _inputs(20, 20, H, 0, True, torch.float64, tile=8)
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() == 4 else t for t in args]
+    assert not strided[1].is_contiguous()
+    got = _toeplitz_native.backward(*strided, plan)
+    want = _toeplitz_native.backward(*args, plan)
+    for g, w in zip(got, want):
+        assert g.is_contiguous() and g.shape == w.shape
+        assert torch.equal(g, w)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(_toeplitz_native, "_warned", set())
+
+
+def _attention_grads(monkeypatch):
+    monkeypatch.setattr(toeplitz, "TILE", 8)
+    torch.manual_seed(5)
+    bias, params = _bias("kerple_log", bidirectional=False)
+    q, k, v = (torch.randn(B, H, 21, D, dtype=torch.float64) for _ in range(3))
+    return _run("toeplitz", q, k, v, bias, params, is_causal=True)
+
+
+def test_relbias_native_0_falls_back_to_python_and_warns_once(monkeypatch, fresh_warnings):
+    native = _attention_grads(monkeypatch)
+    monkeypatch.setenv("RELBIAS_NATIVE", "0")
+    assert _toeplitz_native.load_native() is None
+    with pytest.warns(RuntimeWarning, match="RELBIAS_NATIVE=0"):
+        python = _attention_grads(monkeypatch)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _attention_grads(monkeypatch)  # no second warning
+    for g, w in zip(python, native):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+def test_a_failed_build_falls_back_to_python_and_names_the_error(monkeypatch, fresh_warnings):
+    def broken_build():
+        raise OSError("no compiler here")
+
+    monkeypatch.setattr(_toeplitz_native, "_loaded", {})
+    monkeypatch.setattr(_toeplitz_native, "_build", broken_build)
+    assert "no compiler here" in _toeplitz_native.native_unavailable_reason()
+    with pytest.raises(RuntimeError, match="unavailable"):
+        _toeplitz_native.native_backward(*_inputs(10, 10, H, 0, True, torch.float64)[0], {"scale": 1.0, "delta": 0,
+                                                                                         "is_causal": True, "tile": 4})
+    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        _attention_grads(monkeypatch)
