@@ -35,7 +35,10 @@ from ._toeplitz_backward import tiled_backward
 __all__ = ["backward", "load_native", "native_backward", "native_unavailable_reason"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "toeplitz_backward.cpp"
-_CFLAGS = ("-O3", "-march=native")
+#: -fopenmp: at::parallel_for is an inline template that runs serially unless compiled with OpenMP; the extension's
+#: libgomp.so.1 resolves (by soname) to the one torch loaded, so it shares torch's threads and their denormal mode.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
 _loaded: dict[str, object] = {}  # "module" or "error" once the build was tried
 _warned: set[str] = set()
@@ -76,9 +79,9 @@ def _build():
     from torch.utils import cpp_extension
 
     source = _SOURCE.read_bytes()
-    source_hash = hashlib.sha256(source + " ".join(_CFLAGS).encode()).hexdigest()[:16]
+    source_hash = hashlib.sha256(source + " ".join(_CFLAGS + _LDFLAGS).encode()).hexdigest()[:16]
     return cpp_extension.load(
-        name=f"relbias_toeplitz_backward_{source_hash}", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+        name=f"relbias_toeplitz_backward_{source_hash}", sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
         build_directory=str(_build_directory(source_hash)), verbose=False,
     )
 

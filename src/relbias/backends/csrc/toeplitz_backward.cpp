@@ -40,6 +40,11 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 namespace {
 
 constexpr double kExpFloor = -87.0;  // e^-87 = 1.6e-38: float32's smallest normals (as the Python version)
+// Query rows add their dS into kSpread separate bias-gradient rows (row i into i % kSpread). Row i + 1's window is
+// row i's shifted by one element, so adding both into one buffer makes every vector load overlap stores of the row
+// before, still in the store buffer: failed store forwarding made the fused pass 10x slower (measured: as long as
+// the five GEMMs). kSpread rows apart, those stores have retired.
+constexpr int64_t kSpread = 8;
 
 template <typename T>
 inline T bits_to(typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type v) {
@@ -157,13 +162,14 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   T* rows_p = rows.data_ptr<T>();
 
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile);
+    std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile), acc_buf(kSpread * M);
     T* S = s_buf.data();   // scores, then P
     T* dP = dp_buf.data(); // dO v^T, then dS
+    T* acc = acc_buf.data();  // kSpread bias-gradient rows: query i adds into row i % kSpread
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t hb = Hb == 1 ? 0 : bh % H;
       const T* wr = w_p + hb * M;
-      T* gr = rows_p + bh * M;
+      T* gr = rows_p + bh * M;  // the sum of the kSpread rows of acc, once the task's tiles are done
       const T* qb = q_p + bh * Lq * Dk;
       const T* dob = do_p + bh * Lq * Dv;
       const T* ob = o_p + bh * Lq * Dv;
@@ -210,7 +216,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
             }
             const T l = row_lse[a], dd = row_d[a];
             const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
-            T* __restrict__ grow = gr + (Lq - 1 - i + k0);
+            T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0);
             for (int64_t j = 0; j < jend; ++j) {
               T x = srow[j] + wrow[j] - l;
               x = x < floor ? floor : x;
@@ -229,6 +235,13 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
           gemm<T>(true, false, bk, Dv, bq, T(1), S, tile, dot_, Dv, T(1), dvb + k0 * Dv, Dv, blas);
           gemm<T>(false, false, bq, Dk, bk, scale, dP, tile, kt, Dk, T(1), dqb + i0 * Dk, Dk, blas);
           gemm<T>(true, false, bk, Dk, bq, scale, dP, tile, qt, Dk, T(1), dkb + k0 * Dk, Dk, blas);
+        }
+      }
+      for (int64_t r = 0; r < kSpread; ++r) {  // fixed order; acc zeroed for the next (b, h)
+        T* __restrict__ src = acc + r * M;
+        for (int64_t m = 0; m < M; ++m) {
+          gr[m] += src[m];
+          src[m] = T(0);
         }
       }
     }
