@@ -35,10 +35,7 @@ def _additive_mask(call: AttentionCall, dtype: torch.dtype) -> tuple[torch.Tenso
     visible = None
     if call.is_causal and call.delta < a.key_len - 1:  # some key lies after the first query
         visible = (a.offsets(device) >= 0)[None, None]
-    add = None
-    if isinstance(call.bias, RelativeBias):
-        pe = call.bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
-        add = (pe.to(dtype) * call.bias_scale)[None]
+    add = _bias_block(call, dtype) if isinstance(call.bias, RelativeBias) else None
     mask = call.mask
     if mask is not None:
         seen = mask if mask.dtype == torch.bool else mask != float("-inf")
@@ -50,6 +47,24 @@ def _additive_mask(call: AttentionCall, dtype: torch.dtype) -> tuple[torch.Tenso
         base = add if add is not None else torch.zeros((), dtype=dtype, device=device)
         add = base.masked_fill(~visible, float("-inf"))
     return add, visible
+
+
+def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
+    """(1, Hb, Lq, Lk) scaled bias in ``dtype``. Offset-only families: read from the native per-offset values
+    reversed, ``w[:, m]`` the bias at offset ``max_offset - m``, so entry (t, s) is ``w[:, Lq - 1 - t + s]``: a view
+    with strides (1, 1) of rows in reverse order (a decoding step's one row is ``w`` itself), no gather."""
+    a, bias = call.alignment, call.bias
+    if not bias.offset_only:
+        pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
+        return (pe.to(dtype) * call.bias_scale)[None]
+    values = bias.native(
+        a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start, device=call.query.device
+    ).values
+    w = values.flip(-1).to(dtype).contiguous()  # a copy (decode refuses calls that need gradients); rows of stride 1
+    if call.bias_scale != 1.0:
+        w.mul_(call.bias_scale)
+    rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # rows[:, r, s] = w[:, r + s]
+    return (rows if a.query_len == 1 else rows.flip(1))[None]
 
 
 def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
