@@ -60,7 +60,9 @@ def test_auto_routes_a_family_reading_absolute_positions_to_blockwise():
 
 
 def test_auto_materialises_small_blocks_and_tensor_biases():
-    assert relbias.explain_backend(*_qkv(64), bias=relbias.T5Bias(8))[0] == "reference"
+    mask = torch.ones(1, 1, 1, 64, dtype=torch.bool)  # toeplitz (no small-block rule) takes no mask
+    assert relbias.explain_backend(*_qkv(64), bias=relbias.T5Bias(8), mask=mask)[0] == "reference"
+    assert relbias.explain_backend(*_qkv(64), bias=relbias.T5Bias(8))[0] == "toeplitz"
     name, reason = relbias.explain_backend(*_qkv(), bias=torch.zeros(1, 1, 1, 1).expand(1, 1, 4096, 4096))
     assert name == "reference" and "tensor" in reason
 

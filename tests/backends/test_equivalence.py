@@ -211,13 +211,24 @@ def test_seed_additive_and_t5_conventions_agree_with_reference(small_tiles):
 def test_auto_matches_reference_on_a_block_large_enough_to_tile(monkeypatch):
     bias = build_bias("t5", num_heads=2, bidirectional=True)
     q, k, v = (torch.randn(1, 2, 1100, 16) for _ in range(3))
+    padding = torch.ones(1, 1, 1, 1100, dtype=torch.bool)
+    padding[..., 1000:] = False  # a mask: toeplitz cannot take it, the tiled backends can
     # 1 x 2 x 1100 x 1100 = 2.4M scores: still "reference" under the default threshold, so lower it.
-    name, _ = explain_backend(q, k, v, bias=bias)
+    name, _ = explain_backend(q, k, v, bias=bias, mask=padding)
     assert name == "reference"
     monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 1000)
-    assert explain_backend(q, k, v, bias=bias)[0] == "structured"
+    assert explain_backend(q, k, v, bias=bias, mask=padding)[0] == "structured"
     with torch.no_grad():
-        got = relbias.attention(q, k, v, bias=bias)
+        got = relbias.attention(q, k, v, bias=bias, mask=padding)
     with torch.no_grad():
-        want = relbias.attention(q, k, v, bias=bias, backend="reference")
+        want = relbias.attention(q, k, v, bias=bias, mask=padding, backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+
+
+def test_auto_takes_toeplitz_for_an_unmasked_offset_only_bias_at_any_size():
+    """toeplitz has no small-block rule (one kernel call per block beat the reference from 64 tokens up)."""
+    bias = build_bias("kerple_log", num_heads=2, bidirectional=True)
+    for n in (8, 64, 1100):
+        q = torch.randn(1, 2, n, 16)
+        assert explain_backend(q, q, q, bias=bias)[0] == "toeplitz"
+        assert explain_backend(q, q, q, bias=bias, is_causal=True)[0] == "toeplitz"

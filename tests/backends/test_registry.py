@@ -46,7 +46,7 @@ def test_a_backend_in_one_class_and_one_registry_line_runs_and_is_chosen_first(d
     with pytest.raises(ValueError, match="backend 'even_keys' cannot run this call: key_len 5 is odd"):
         relbias.attention(q, k[:, :, :5], v[:, :, :5], bias=bias, backend="even_keys")
     name, reason = relbias.explain_backend(q, k[:, :, :5], v[:, :, :5], bias=bias)
-    assert name == "structured" and "not even_keys: key_len 5 is odd" in reason
+    assert name == "toeplitz" and "not even_keys: key_len 5 is odd" in reason
     assert "not decode: gradients are needed" in reason  # the bias table requires grad
 
 
