@@ -58,7 +58,9 @@ DIRECT = [  # (Lq, Lk, Hb, delta, is_causal, tile)
 
 
 @pytest.mark.parametrize("blas", [True, False], ids=["blas", "addmm"])
-@pytest.mark.parametrize("case", DIRECT, ids=lambda c: f"{c[0]}x{c[1]}-hb{c[2]}-d{c[3]}-{'causal' if c[4] else 'bidi'}-t{c[5]}")
+@pytest.mark.parametrize(
+    "case", DIRECT, ids=lambda c: f"{c[0]}x{c[1]}-hb{c[2]}-d{c[3]}-{'causal' if c[4] else 'bidi'}-t{c[5]}"
+)
 def test_float64_native_equals_the_python_tiled_backward(case, blas):
     lq, lk, hb, delta, is_causal, tile = case
     args, plan = _inputs(lq, lk, hb, delta, is_causal, torch.float64, tile=tile)
@@ -112,7 +114,9 @@ CASES = [  # (Lq, Lk, query_start, key_start, is_causal, family, bias heads)
 
 
 @pytest.mark.parametrize("tile", [5, 16])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-qs{c[2]}-{'causal' if c[4] else 'bidi'}-{c[5]}-hb{c[6]}")
+@pytest.mark.parametrize(
+    "case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-qs{c[2]}-{'causal' if c[4] else 'bidi'}-{c[5]}-hb{c[6]}"
+)
 def test_float64_attention_through_the_native_kernel_matches_the_reference(case, tile, monkeypatch):
     monkeypatch.setattr(toeplitz, "TILE", tile)
     monkeypatch.setattr(toeplitz, "BLOCK_Q", 11)
