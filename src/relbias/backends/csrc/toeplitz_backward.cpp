@@ -15,9 +15,10 @@
 //
 // Parallel over B*H: each task owns its dq, dk, dv rows and its own bias-gradient row, and the rows are summed over
 // batch (and heads, for a bias shared by every head) in a fixed order afterwards, so results are bit-identical
-// across runs and thread counts. GEMMs are single-threaded BLAS calls inside a task (sgemm_/dgemm_ that
-// libtorch_cpu exports when built with MKL, else at::addmm_out on tile views). Denormals: the caller flushes them
-// on every OpenMP thread; exp's clamp at -87 keeps float32 results normal anyway.
+// across runs (and across thread counts, as far as the BLAS is: measured so with MKL). GEMMs run inside a task,
+// single-threaded while nested OpenMP is off (the default): sgemm_/dgemm_ that libtorch_cpu exports when built
+// with MKL, else at::addmm_out on tile views. Denormals: the caller flushes them on every OpenMP thread (dS and
+// the GEMMs can meet them); exp's clamp at -87 keeps P normal.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
