@@ -60,7 +60,9 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     values = bias.native(
         a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start, device=call.query.device
     ).values
-    w = values.flip(-1).to(dtype).contiguous()  # a copy (decode refuses calls that need gradients); rows of stride 1
+    w = values.flip(-1).to(dtype)  # a copy (decode refuses calls that need gradients)
+    if w.stride(-1) != 1:  # a family whose values are a strided view
+        w = w.contiguous()
     if call.bias_scale != 1.0:
         w.mul_(call.bias_scale)
     rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # rows[:, r, s] = w[:, r + s]
