@@ -78,6 +78,8 @@ class ALiBiBias(RelativeBias):
                 [-0.0078, -0.0039,  0.0000]])
     """
 
+    state_only = True  # values read the parameters (and buffers) only
+
     default_convention = "additive"
     distance_only = True
 

@@ -56,6 +56,10 @@ class RelativeBias(nn.Module):
     #: True when the bias is a function of :meth:`distance` alone (ALiBi, KERPLE): pairs at the same
     #: distance read the same value, which :meth:`parameter_key` then reports.
     distance_only: bool = False
+    #: True when :meth:`offset_values` reads nothing but the module's parameters and buffers, so :meth:`native`
+    #: may reuse its last result while they are unchanged (inference: a decoder's layers share one bias per
+    #: step). False by default: a subclass (or :class:`FunctionBias`' user function) may read other state.
+    state_only: bool = False
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
         """Bias values at the given offsets.
@@ -171,7 +175,8 @@ class RelativeBias(nn.Module):
             device: device of the values; default the module's.
 
         Returns:
-            :class:`NativeBias`.
+            :class:`NativeBias`. For a :attr:`state_only` family outside autograd, the last result is returned again
+            while the block, device, parameters and buffers are unchanged: callers must not modify its values.
 
         Raises:
             TypeError, ValueError: bad lengths or positions, or offsets the family cannot evaluate.
@@ -184,7 +189,26 @@ class RelativeBias(nn.Module):
             )
         alignment = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
         device = self._device() if device is None else device
-        return NativeBias(self.offset_values(alignment.offset_vector(device)), alignment)
+        memo = self._memo_key(alignment, device)
+        if memo is not None and self.__dict__.get("_native_memo", (None,))[0] == memo:
+            return self.__dict__["_native_memo"][1]
+        native = NativeBias(self.offset_values(alignment.offset_vector(device)), alignment)
+        if memo is not None:
+            self.__dict__["_native_memo"] = (memo, native)
+        return native
+
+    def _memo_key(self, alignment, device) -> tuple | None:
+        """What :meth:`native`'s last result is valid for, or None where it must not be reused: families not
+        :attr:`state_only`, calls whose values need a graph (grad mode with a parameter requiring grad), tensor
+        positions and compiled calls. The key holds the alignment, the device, inference mode (an inference
+        tensor cannot enter autograd later) and each parameter's and buffer's storage and version counter."""
+        if not self.state_only or torch.compiler.is_compiling() or isinstance(alignment.min_offset, torch.Tensor):
+            return None
+        tensors = list(self.parameters()) + list(self.buffers())
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return None
+        stamp = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
+        return alignment, str(device), torch.is_inference_mode_enabled(), stamp
 
     def forward(
         self, query_len: int, key_len: int, *, query_start: int | None = None, key_start: int = 0

@@ -56,6 +56,8 @@ def _inverse_softplus(x: torch.Tensor) -> torch.Tensor:
 class _KerpleBias(RelativeBias):
     """Shared part of the two KERPLE variants: parameters, checks, constants (the distance is the base's)."""
 
+    state_only = True  # values read the parameters (and buffers) only
+
     default_convention = "additive"
     distance_only = True
     _r2_high: float = 2.0  # bound of the default initialisation of r2 (U(0, 1) log, U(0, 2) power)
