@@ -73,10 +73,10 @@ def test_fused_backends_refuse_dropout_and_auto_takes_blockwise(monkeypatch):
     monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)
     q, k, v, _ = _inputs(lq=40, lk=40)
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
-    for name in ("structured", "flex"):
+    for name in ("toeplitz", "structured", "flex"):
         with pytest.raises(ValueError, match=rf"backend '{name}' cannot run this call: .*attention dropout \(dropout_p=0.1\)"):
             relbias.attention(q, k, v, bias=bias, backend=name, dropout_p=0.1)
-    assert relbias.explain_backend(q, k, v, bias=bias)[0] == "structured"
+    assert relbias.explain_backend(q, k, v, bias=bias)[0] == "toeplitz"  # without dropout
     with torch.no_grad():
         got = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
         want = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0),
