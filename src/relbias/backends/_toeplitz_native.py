@@ -14,8 +14,8 @@ Python versions, a hash of the CPU's feature flags and a hash of the source and 
 loaded on another. The first call pays the build (about 40 s on 2 cores, once); later processes load it (0.2 s).
 
 Fallback: when the build or load fails, or the environment sets ``RELBIAS_NATIVE=0``, or the inputs are not CPU
-float32 / float64, :func:`backward` runs the Python ``tiled_backward`` (same results up to rounding); the first
-fallback for each reason warns once (``RuntimeWarning`` naming it).
+float32 / float64, :func:`backward` runs the Python ``tiled_backward`` (same results up to rounding); a failed build
+warns once (``RuntimeWarning`` naming the error), the explicit ``RELBIAS_NATIVE=0`` does not.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ _LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
 _loaded: dict[str, object] = {}  # "module" or "error" once the build was tried
 _warned: set[str] = set()
+_OPT_OUT = "RELBIAS_NATIVE=0 is set"
 
 
 def _cpu_key() -> str:
@@ -99,7 +100,7 @@ def native_unavailable_reason() -> str | None:
     """Why the native kernel is not used (``RELBIAS_NATIVE=0``, or the build's error), or None when it is; the
     first call builds or loads it."""
     if os.environ.get("RELBIAS_NATIVE", "").strip() == "0":
-        return "RELBIAS_NATIVE=0 is set"
+        return _OPT_OUT
     if not _loaded:
         with _LOCK:
             if not _loaded:
@@ -122,7 +123,7 @@ def backward(
     lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, grad_w) for the toeplitz forward by the native kernel, or by the Python ``tiled_backward`` where
-    it is unavailable (warning once per reason); arguments and results as ``tiled_backward``'s.
+    it is unavailable (a failed build warns once); arguments and results as ``tiled_backward``'s.
 
     Shapes: ``do``, ``query``, ``out`` (B, H, Lq, D) and ``key``, ``value`` (B, H, Lk, D), float32 or float64 on
     CPU (any strides: copied contiguous); ``lse`` (B, H, Lq) float32 / float64, -inf for a query that sees no key;
@@ -136,7 +137,8 @@ def backward(
         return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
     reason = native_unavailable_reason()
     if reason is not None:
-        _fall_back(reason)
+        if reason != _OPT_OUT:  # asked for: nothing to say
+            _fall_back(reason)
         return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
     return native_backward(do, query, key, value, out, lse, grad_lse, w, plan)
 

@@ -9,10 +9,11 @@ view as its additive ``attn_mask``, one call per block of :data:`BLOCK_Q` query 
 block can see (causal: a prefix; the future keys of its diagonal read ``-inf`` from ``w``).
 
 Backward: without a bias gradient (ALiBi, or bias parameters that need none), the kernel's backward, given the
-same view, returns dq, dk, dv. With one, a single tiled pass (:mod:`relbias.backends._toeplitz_backward`) forms
-``P`` and ``dS = P * (dP - D)`` once per (query tile, key tile) and from them dq, dk, dv and the bias gradient
-``dPE(t) = sum_{i - j = t} dS_ij`` (FlashAttention, Dao et al. 2022, Alg. 2), the tile's diagonals summed in a
-fixed order (deterministic). Saved for backward: O(B·H·L·D). Both run with denormals flushed to zero on every thread
+same view, returns dq, dk, dv. With one, a single tiled pass forms ``P`` and ``dS = P * (dP - D)`` once per
+(query tile, key tile) and from them dq, dk, dv and the bias gradient ``dPE(t) = sum_{i - j = t} dS_ij``
+(FlashAttention-2, Dao 2023, Alg. 2), in a fixed order (deterministic): a C++ kernel compiled on first use
+(:mod:`relbias.backends._toeplitz_native`: one fused elementwise pass per tile; needs a C++ compiler and ``ninja``,
+about 40 s once per machine), else the same pass in PyTorch (:mod:`relbias.backends._toeplitz_backward`). Saved for backward: O(B·H·L·D). Both run with denormals flushed to zero on every thread
 (:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys otherwise land in float32 denormals, which
 made the forward 1.4x and the backward 4x slower; the tiled pass also clamps scores at -87 before ``exp``.
 
