@@ -41,4 +41,4 @@ class TableBias(RelativeBias):
         """``weight[index(offsets)]`` moved to (H, *S), contiguous, in the table's dtype; errors of :meth:`index`."""
         rows = self.index(offsets)
         # a gather along the transposed (tiny) table gives (H, *S) contiguous: 2.5x faster than weight[rows] moved
-        return self.weight.t().contiguous().index_select(1, rows.reshape(-1)).view(-1, *rows.shape)
+        return self.weight.t().contiguous().index_select(1, rows.reshape(-1)).view(self.weight.shape[1], *rows.shape)
