@@ -67,22 +67,24 @@ def _backward_impl(
     bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int, values_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``.
-    Without a bias gradient, the kernel's own backward per query block; with one, a single tiled pass that forms
-    ``dS`` once for all four: the fused C++ kernel (:mod:`relbias.backends._toeplitz_native`, built on first use),
-    or where it cannot be built or ``RELBIAS_NATIVE=0`` is set, its Python version
-    (:mod:`relbias.backends._toeplitz_backward`), warning once."""
+    The fused C++ kernel (:mod:`relbias.backends._toeplitz_native`, built on first use: a single tiled pass that
+    forms ``dS`` once for all four; its bias gradient is dropped when not wanted, about a tenth of its work). Where
+    it cannot be built or ``RELBIAS_NATIVE=0`` is set: without a bias gradient, the CPU flash kernel's own backward
+    per query block; with one, the native kernel's Python version (:mod:`relbias.backends._toeplitz_backward`)."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
         do = grad_out.to(out.dtype)
         empty = lse == _NEG_INF
         if grad_lse is not None:
             grad_lse = grad_lse.to(lse.dtype).masked_fill(empty, 0.0)
-        if not values_grad:
+        if not values_grad and _toeplitz_native.load_native() is None:
             dq, dk, dv = _kernel_backward(do, grad_lse, query, key, value, out, lse.masked_fill(empty, float("inf")),
                                           w, scale, delta, is_causal, block_q)
             return dq, dk, dv, values.new_empty(0)
         plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile}
         dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan)
+        if not values_grad:
+            return dq, dk, dv, values.new_empty(0)
         grad_values = grad_w.flip(-1) * bias_scale
         if is_causal:  # future offsets: no query sees them
             grad_values.masked_fill_(future_offsets(grad_values, delta, key.shape[2]), 0.0)
