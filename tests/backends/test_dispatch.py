@@ -16,9 +16,15 @@ def _qkv(n=4096, heads=8, requires_grad=False):
     return [torch.zeros(1, heads, n, 64).requires_grad_(requires_grad) for _ in range(3)]  # finite: dispatch reads K/V once
 
 
-def test_auto_picks_structured_for_a_long_t5_block_on_cpu():
+def test_auto_picks_toeplitz_for_a_long_t5_block_on_cpu_and_structured_without_the_native_backward(monkeypatch):
+    name, _ = relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), is_causal=False)
+    assert name == "toeplitz"
+    monkeypatch.setenv("RELBIAS_NATIVE", "0")  # the table needs gradients: the Python tiled backward is slower
     name, reason = relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), is_causal=False)
     assert name == "structured" and "far-constant" in reason
+    assert "not toeplitz: gradients are needed over 4096x4096 scores" in reason and "RELBIAS_NATIVE=0" in reason
+    with torch.no_grad():  # inference: no backward to weigh
+        assert relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), is_causal=False)[0] == "toeplitz"
 
 
 def test_auto_takes_structured_for_a_key_padding_mask():

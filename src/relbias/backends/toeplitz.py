@@ -35,6 +35,7 @@ from ..call import AttentionCall
 from ._cpu_flash import cpu_flash_reasons
 from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
 from ._toeplitz_kernel import toeplitz_apply
+from ._toeplitz_native import native_unavailable_reason
 from .base import Backend
 
 __all__ = ["BLOCK_Q", "STRUCTURED_GRAD_MIN_SCORES", "TILE", "ToeplitzBackend", "toeplitz_attention"]
@@ -42,7 +43,8 @@ __all__ = ["BLOCK_Q", "STRUCTURED_GRAD_MIN_SCORES", "TILE", "ToeplitzBackend", "
 #: Query rows per fused kernel call (tokens); causal calls waste about BLOCK_Q / 2 keys per row on the diagonal.
 BLOCK_Q = 512
 #: Query x key scores per head above which ``auto`` leaves a far-constant bias (T5, clipped per-offset) that needs
-#: gradients to structured (measured: structured faster at 4096 x 4096, toeplitz at 2048 x 2048 and below).
+#: gradients to structured when the native backward is unavailable (measured against the Python tiled pass:
+#: structured faster at 4096 x 4096, toeplitz at 2048 x 2048 and below; the native backward is faster at both).
 STRUCTURED_GRAD_MIN_SCORES = 1 << 23
 #: Rows and keys per tile of the backward pass that also gives the bias gradient (tokens).
 TILE = 256
@@ -54,7 +56,8 @@ class ToeplitzBackend(Backend):
     name = "toeplitz"
     summary = (
         "offset-only bias: a strided view of its per-offset values as the additive mask of PyTorch's fused CPU "
-        "flash kernel, per query block; with a bias gradient, one tiled backward forming dS once; memory O(N·D)"
+        "flash kernel, per query block; backward: one fused pass per tile forming dS once (C++, built on first "
+        "use); memory O(N·D)"
     )
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
@@ -81,12 +84,14 @@ class ToeplitzBackend(Backend):
         a = call.alignment
         if call.needs_grad and a.query_len * a.key_len > STRUCTURED_GRAD_MIN_SCORES and far_constant and \
                 bias.far_constant_distance():
-            return [
-                f"gradients are needed over {a.query_len}x{a.key_len} scores per head and {type(bias).__name__} is "
-                f"constant far from the diagonal: structured's backward needs no tiled pass for the bias gradient "
-                f"(T5, forward+backward, measured: 1.3-1.4x against 1.6x bias-free SDPA at 4096 tokens; toeplitz "
-                f"is as fast or faster at 2048 and below)"
-            ]
+            why_not_native = native_unavailable_reason()  # builds the native backward on the first call
+            if why_not_native is not None:
+                return [
+                    f"gradients are needed over {a.query_len}x{a.key_len} scores per head, {type(bias).__name__} is "
+                    f"constant far from the diagonal and the native backward is unavailable ({why_not_native}): "
+                    f"structured's backward needs no tiled pass for the bias gradient (T5, forward+backward at "
+                    f"4096 tokens, measured: 1.3-1.4x bias-free SDPA, against 1.6x for the Python tiled pass)"
+                ]
         return []
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
