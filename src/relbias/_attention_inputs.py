@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from .biases.base import CONVENTIONS, RelativeBias
 from .positions import Alignment, resolve_alignment
@@ -81,10 +82,11 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
                 f"(batch, num_heads, seq_len, head_dim), so transpose a (batch, seq_len, num_heads, "
                 f"head_dim) tensor first)"
             )
-        device = bias._device()
+        tensors = bias.state_tensors()
+        device = tensors[0].device if tensors else torch.device("cpu")  # as bias._device()
         if device != query.device:
             raise ValueError(f"the bias module is on {device} but query is on {query.device}; move one of them")
-        check_finite_parameters(bias)
+        check_finite_parameters(bias, tensors)
         return
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a RelativeBias module, a tensor or None, got {type(bias).__name__}")
@@ -97,23 +99,25 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
         raise ValueError("the bias tensor contains NaN or inf; pass -inf masking through mask=, not bias=")
 
 
-def check_finite_parameters(bias: RelativeBias) -> None:
+def check_finite_parameters(bias: RelativeBias, tensors: tuple[torch.Tensor, ...] | None = None) -> None:
     """Refuse a bias module whose parameters hold NaN/inf (every output reading them would be NaN).
 
     Costs O(parameters) when a parameter changed since the last check (its autograd version counter or
     storage), else O(1): decoding steps and inference re-read nothing. Parameters on the meta device, which
     hold no values, and calls being compiled are skipped.
 
+    ``tensors``: ``bias.state_tensors()`` when the caller has them.
+
     Raises:
         ValueError: naming the family, the parameter and the first non-finite entry.
     """
     if torch.compiler.is_compiling():  # value checks read data: eager calls make them, compiled graphs do not
         return
-    params = list(bias.named_parameters())
-    stamp = tuple((name, p.data_ptr(), p._version) for name, p in params)
+    tensors = bias.state_tensors() if tensors is None else tensors
+    stamp = tuple((p.data_ptr(), p._version) for p in tensors if isinstance(p, nn.Parameter))
     if bias.__dict__.get("_finite_stamp") == stamp:
         return
-    for name, param in params:
+    for name, param in bias.named_parameters():
         if param.device.type == "meta" or param.numel() == 0:
             continue
         finite = torch.isfinite(param.detach())

@@ -136,9 +136,10 @@ def resolve_alignment(
     alignment = Alignment(query_len, key_len, query_start, key_start)
     if isinstance(query_start, torch.Tensor) or isinstance(key_start, torch.Tensor):
         return alignment  # compiling: a tensor's value cannot be checked without reading it
-    extremes = (query_start, key_start, query_start + query_len, key_start + key_len, alignment.min_offset,
-                alignment.max_offset)
-    if any(abs(x) > _INT64_MAX for x in extremes):
+    # every position and offset is at most |query_start| + |key_start| + query_len + key_len in size
+    if abs(query_start) + abs(key_start) + query_len + key_len > _INT64_MAX and any(abs(x) > _INT64_MAX for x in (
+            query_start, key_start, query_start + query_len, key_start + key_len, alignment.min_offset,
+            alignment.max_offset)):
         raise ValueError(
             f"positions and offsets must fit in int64 (|x| <= 2**63 - 1); query_start={query_start}, "
             f"key_start={key_start} with lengths {query_len}, {key_len} give offsets "

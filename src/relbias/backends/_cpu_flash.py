@@ -9,6 +9,8 @@ callers only use on square slices.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ._reasons import empty_axis_reasons
@@ -18,6 +20,12 @@ __all__ = ["cpu_flash_reasons", "fused_available", "fused_backward", "fused_forw
 
 def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether a fused kernel with log-sum-exp in and out exists here; (ok, reason)."""
+    return _fused_available(device.type, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _fused_available(device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
+    device = torch.device(device_type)  # the answer depends on the kind of device only (read once per kind)
     if device.type != "cpu":
         return False, (
             f"no fused kernel on {device.type} that both returns its log-sum-exp and accepts a given one in "

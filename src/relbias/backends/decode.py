@@ -57,16 +57,19 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     if not bias.offset_only:
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
         return (pe.to(dtype) * call.bias_scale)[None]
-    values = bias.native(
-        a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start, device=call.query.device
-    ).values
-    w = values.flip(-1).to(dtype)  # a copy (decode refuses calls that need gradients)
-    if w.stride(-1) != 1:  # a family whose values are a strided view
-        w = w.contiguous()
-    if call.bias_scale != 1.0:
-        w.mul_(call.bias_scale)
+    native = bias.native_for(a, call.query.device)
+    w = native.derive(("decode", dtype, call.bias_scale), lambda: _reversed(native.values, dtype, call.bias_scale))
     rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # rows[:, r, s] = w[:, r + s]
     return (rows if a.query_len == 1 else rows.flip(1))[None]
+
+
+def _reversed(values: torch.Tensor, dtype: torch.dtype, bias_scale: float) -> torch.Tensor:
+    """(Hb, M) contiguous in ``dtype``: ``values`` reversed along the offsets and scaled (a copy: decode refuses
+    calls that need gradients)."""
+    w = values.flip(-1).to(dtype)
+    if w.stride(-1) != 1:  # a family whose values are a strided view
+        w = w.contiguous()
+    return w.mul_(bias_scale) if bias_scale != 1.0 else w
 
 
 def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:

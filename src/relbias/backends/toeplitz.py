@@ -116,9 +116,7 @@ def toeplitz_attention(
     (the reference: NaN); it still reaches no other query.
     """
     a = call.alignment
-    native = call.bias.native(
-        a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start, device=call.query.device
-    )
+    native = call.bias.native_for(a, call.query.device)
     query, key, value = call.query, call.key, call.value
     if query.dtype in (torch.float16, torch.bfloat16):  # a half-precision additive mask would round the bias
         query, key, value = query.float(), key.float(), value.float()

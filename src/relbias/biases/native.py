@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +28,16 @@ class NativeBias:
 
     values: torch.Tensor
     alignment: Alignment
+    #: Tensors a backend derives from :attr:`values` (e.g. the reversed, scaled copy), kept with the values they
+    #: came from: a reused native form (:meth:`relbias.RelativeBias.native` outside autograd) reuses them too.
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def derive(self, key: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``make()``, computed once per ``key`` (hashable) for these values; callers must not modify it."""
+        tensor = self.derived.get(key)
+        if tensor is None:
+            tensor = self.derived[key] = make()
+        return tensor
 
     @property
     def min_offset(self) -> int:
