@@ -3,7 +3,9 @@
 Per-step latency (ms, median of ``--calls`` calls after a warm-up, the methods interleaved) of
 
 * ``sdpa``: bias-free ``scaled_dot_product_attention`` (the 1.00x baseline);
-* ``row+sdpa``: the bias row materialised each step and passed as ``attn_mask`` (what Hugging Face does);
+* ``row+sdpa``: the bias row materialised each step as Hugging Face's ``T5Attention.compute_bias`` does (its
+  ``_relative_position_bucket``, an embedding lookup, a permute) and passed as ``attn_mask`` (transformers' T5
+  decoder computes it once per step and shares it over the layers);
 * ``relbias``: ``relbias.attention`` with ``backend="auto"`` (the decode backend for such steps);
 
 for Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, float32, causal ``T5Bias``); then tokens/s of greedy ``generate``
@@ -39,16 +41,32 @@ def _median_ms(steps: dict, calls: int) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def _hf_row(bias: relbias.T5Bias, key_len: int):
+    """The (1, H, 1, Lk) bias row of a decoding step at position Lk - 1, computed as transformers'
+    ``T5Attention.compute_bias`` does (``memory - context`` bucketed with logarithms, embedding, permute)."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    context = torch.arange(key_len - 1, key_len)[:, None]
+    memory = torch.arange(key_len)[None, :]
+    buckets = T5Attention._relative_position_bucket(
+        memory - context, bidirectional=bias.bidirectional, num_buckets=bias.num_buckets,
+        max_distance=bias.max_distance,
+    )
+    return F.embedding(buckets, bias.weight).permute(2, 0, 1)[None]
+
+
 def decode_steps(lengths: list[int], calls: int) -> None:
     heads, dim = 8, 64
     bias = relbias.T5Bias(heads, bidirectional=False)
+    with torch.no_grad():  # the benchmark's row is the bias relbias uses
+        torch.testing.assert_close(_hf_row(bias, 300), bias(1, 300)[None])
     print(f"{'Lk':>6} {'sdpa ms':>9} {'row+sdpa ms':>12} {'relbias ms':>11} {'relbias/sdpa':>13} {'row/relbias':>12}  backend")
     for lk in lengths:
         q, k, v = torch.randn(1, heads, 1, dim), torch.randn(1, heads, lk, dim), torch.randn(1, heads, lk, dim)
         with torch.no_grad():
             steps = {
                 "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=1.0),
-                "row": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias(1, lk)[None], scale=1.0),
+                "row": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=_hf_row(bias, lk), scale=1.0),
                 "relbias": lambda: relbias.attention(q, k, v, bias=bias, is_causal=True),
             }
             ms = _median_ms(steps, calls)
