@@ -93,6 +93,8 @@ REFUSALS = {
     "tensor_bias": ("TypeError", "RelativeBias module"),
     "offset_table_too_short": ("ValueError", "has no parameter"),
     "causal_only_bias_bidirectional_call": ("ValueError", "is_causal=True"),
+    "ring_double_backward": ("RuntimeError", "strategy 'ring') has no double backward"),
+    "ulysses_double_backward": ("RuntimeError", "strategy 'ulysses') has no double backward"),
 }
 
 
@@ -183,8 +185,13 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["bias"] = relbias.PerOffsetBias(max_len=q.shape[2])  # local length fits, the global length does not
     elif name == "causal_only_bias_bidirectional_call":
         kwargs["bias"] = relbias.ALiBiBias(H, bidirectional=False)
+    elif name.endswith("_double_backward"):  # a gradient penalty: refused on every rank before communicating
+        q = q.requires_grad_(True)
+        kwargs.update(bias=relbias.T5Bias(H), strategy=name.split("_")[0])
     try:
-        context_parallel_attention(q, q, q, **kwargs)
+        out = context_parallel_attention(q, q, q, **kwargs)
+        if name.endswith("_double_backward"):
+            torch.autograd.grad(out.sum(), q, create_graph=True)
     except Exception as exc:  # noqa: BLE001 - reported to the test, which checks type and message
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -17,21 +17,23 @@ import torch
 __all__ = ["first_order"]
 
 
-def first_order(backend: str):
+def first_order(backend: str, *, subject: str | None = None, instead: str | None = None):
     """Decorator for the ``backward`` staticmethod of ``backend``'s autograd Function (place it under
-    ``@staticmethod``).
+    ``@staticmethod``). ``subject`` (default ``"backend '<backend>'"``) and ``instead`` (default: pass
+    backend='reference') word the error for callers that are not backends (context-parallel attention).
 
     Raises (from the decorated backward):
         RuntimeError: the backward runs with ``create_graph=True`` (double backward, e.g. a gradient penalty).
     """
+    subject = subject or f"backend {backend!r}"
+    instead = instead or "for create_graph=True pass backend='reference', which differentiates plain operations"
 
     def decorate(backward):
         @functools.wraps(backward)
         def wrapper(ctx, *grad_outputs):
             if torch.is_grad_enabled():
                 raise RuntimeError(
-                    f"backend {backend!r} has no double backward (its gradients are computed once, in closed form); "
-                    f"for create_graph=True pass backend='reference', which differentiates plain operations"
+                    f"{subject} has no double backward (its gradients are computed once, in closed form); {instead}"
                 )
             return backward(ctx, *grad_outputs)
 

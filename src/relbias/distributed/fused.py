@@ -11,11 +11,12 @@ Where the kernel is not available (another device, different query/value head di
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backends._autograd import first_order
 from ..backends._cpu_flash import fused_available, fused_backward
 from ..backends.structured import _additive, _empty_rows, _part_backward, _run_part
 from ..functional import attention
+from .merge import DOUBLE_BACKWARD_HINT
 
 __all__ = ["bias_free_attention", "far_block_backward", "fused_runs"]
 
@@ -45,7 +46,7 @@ class _FusedFunction(torch.autograd.Function):
         return out.to(query.dtype), lse
 
     @staticmethod
-    @once_differentiable
+    @first_order("fused", subject="context-parallel attention's bias-free block", instead=DOUBLE_BACKWARD_HINT)
     def backward(ctx, grad_out, grad_lse):
         query, key, value, out, lse = ctx.saved_tensors
         empty = lse == _NEG_INF

@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_into", "merge_partials", "part_gradients"]
+__all__ = ["DOUBLE_BACKWARD_HINT", "merge_into", "merge_partials", "part_gradients"]
+
+#: Where to get the double backward (create_graph=True) that context-parallel attention, whose merged gradients are
+#: computed once in closed form, does not have.
+DOUBLE_BACKWARD_HINT = (
+    "for create_graph=True gather the sequence and run single-device relbias.attention(..., backend='reference')"
+)
 
 _NEG_INF = float("-inf")
 

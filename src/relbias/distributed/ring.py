@@ -20,13 +20,13 @@ backward: the local q, k, v, mask shard, the merged output and lse (O(L/P · D) 
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backends._autograd import first_order
 from ..backends.blockwise import compute_dtype
 from .blocks import block_backward, run_block
 from .comm import RingChannel, all_reduce_sum
 from .layout import shard_pieces
-from .merge import merge_into
+from .merge import DOUBLE_BACKWARD_HINT, merge_into
 from .plan import RingStats, block_kind
 from .validate import ContextParallelCall
 
@@ -136,7 +136,7 @@ class _RingFunction(torch.autograd.Function):
         return out.to(query.dtype)
 
     @staticmethod
-    @once_differentiable
+    @first_order("ring", subject="context-parallel attention (strategy 'ring')", instead=DOUBLE_BACKWARD_HINT)
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         params = ctx.params

@@ -16,12 +16,13 @@ back, and the bias-parameter gradients (partial: this rank's heads) are summed o
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
 
+from ..backends._autograd import first_order
 from ..functional import attention
 from .comm import all_gather_seq, all_reduce_sum, all_to_all_dim0
 from .heads import slice_heads
 from .layout import layout_order
+from .merge import DOUBLE_BACKWARD_HINT
 from .validate import ContextParallelCall
 
 __all__ = ["ulysses_attention"]
@@ -92,7 +93,7 @@ class _UlyssesFunction(torch.autograd.Function):
         return reshard.to_sequence(out.detach())
 
     @staticmethod
-    @once_differentiable
+    @first_order("ulysses", subject="context-parallel attention (strategy 'ulysses')", instead=DOUBLE_BACKWARD_HINT)
     def backward(ctx, grad_out):
         params = list(ctx.params)
         leaves, out = ctx.graph
