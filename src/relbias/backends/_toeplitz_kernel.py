@@ -17,7 +17,7 @@ from ._denormals import flush_denormals
 from ._toeplitz_view import block_mask, future_offsets, key_end, reversed_bias
 from .blockwise import compute_dtype
 
-__all__ = ["toeplitz_apply"]
+__all__ = ["part_backward", "toeplitz_apply"]
 
 _NEG_INF = float("-inf")
 
@@ -89,6 +89,17 @@ def _backward_impl(
         if is_causal:  # future offsets: no query sees them
             grad_values.masked_fill_(future_offsets(grad_values, delta, key.shape[2]), 0.0)
         return dq, dk, dv, grad_values.to(values.dtype).contiguous()
+
+
+def part_backward(grad_out, query, key, value, values, out, lse, plan: dict):
+    """(dq, dk, dv, dvalues) of one part of a merged result (a ring block) run by the toeplitz forward with
+    ``plan``, given the merged ``out`` and the merged (global) ``lse`` (compute dtype): the backward forms
+    ``P = exp(s - lse)`` and ``D = dO . out`` from them, which is exactly this part's share, so nothing is
+    recomputed. ``dvalues`` is empty unless ``values`` requires grad. Shapes as the custom ops'."""
+    settings = (float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
+                plan["tile"])
+    return _backward_impl(grad_out, None, query, key, value, values.detach(), out, lse, *settings,
+                          values.requires_grad)
 
 
 def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, scale, delta, is_causal, block_q):

@@ -34,11 +34,13 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ._cpu_flash import cpu_flash_reasons
 from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
-from ._toeplitz_kernel import toeplitz_apply
+from ._toeplitz_kernel import part_backward, toeplitz_apply
 from ._toeplitz_native import native_unavailable_reason
 from .base import Backend
 
-__all__ = ["BLOCK_Q", "STRUCTURED_GRAD_MIN_SCORES", "TILE", "ToeplitzBackend", "toeplitz_attention"]
+__all__ = [
+    "BLOCK_Q", "STRUCTURED_GRAD_MIN_SCORES", "TILE", "ToeplitzBackend", "toeplitz_attention", "toeplitz_part_backward",
+]
 
 #: Query rows per fused kernel call (tokens); causal calls waste about BLOCK_Q / 2 keys per row on the diagonal.
 BLOCK_Q = 512
@@ -115,14 +117,42 @@ def toeplitz_attention(
     reference backend, one softmax, has no such limit. A query holding +-inf whose every score is -inf gets out 0
     (the reference: NaN); it still reaches no other query.
     """
-    a = call.alignment
-    native = call.bias.native_for(a, call.query.device)
+    native = call.bias.native_for(call.alignment, call.query.device)
+    query, key, value = _compute_inputs(call)
+    out, lse = toeplitz_apply(query, key, value, native.values, _plan(call, block_q, tile))
+    return out.to(call.query.dtype), lse
+
+
+def toeplitz_part_backward(
+    call: AttentionCall, grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients one part of a merged result contributes, the part being :func:`toeplitz_attention` of
+    ``call`` (a context-parallel ring block), without recomputing it.
+
+    ``grad_out`` (B, H, Lq, Dv): gradient of the merged output; ``out`` (B, H, Lq, Dv) and ``lse`` (B, H, Lq): the
+    merged output and log-sum-exp, float32 (float64 for float64 inputs). Returns (dq, dk, dv) in the compute dtype
+    (float32 for half-precision inputs), the bias's native ``values`` (Hb, M), recorded for autograd where the
+    bias parameters require grad, and their gradient ``dvalues`` (empty when they do not): pass both to
+    ``torch.autograd.grad`` for the parameters' share. FlashAttention's split-KV merge (Dao et al. 2023).
+    """
+    with torch.enable_grad():
+        values = call.bias.native_for(call.alignment, call.query.device).values
+    query, key, value = (t.detach() for t in _compute_inputs(call))
+    dq, dk, dv, dvalues = part_backward(grad_out, query, key, value, values, out, lse, _plan(call, None, None))
+    return dq, dk, dv, values, dvalues
+
+
+def _compute_inputs(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """query, key, value; float16 and bfloat16 as float32 copies (a half-precision additive mask would round the
+    bias)."""
     query, key, value = call.query, call.key, call.value
-    if query.dtype in (torch.float16, torch.bfloat16):  # a half-precision additive mask would round the bias
+    if query.dtype in (torch.float16, torch.bfloat16):
         query, key, value = query.float(), key.float(), value.float()
-    plan = {
+    return query, key, value
+
+
+def _plan(call: AttentionCall, block_q: int | None, tile: int | None) -> dict:
+    return {
         "scale": call.scale, "bias_scale": call.bias_scale, "delta": call.delta, "is_causal": call.is_causal,
         "block_q": block_q or BLOCK_Q, "tile": tile or TILE,
     }
-    out, lse = toeplitz_apply(query, key, value, native.values, plan)
-    return out.to(call.query.dtype), lse

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backends import BACKENDS
+from ..backends.toeplitz import toeplitz_attention, toeplitz_part_backward
 from ..biases.base import RelativeBias
 from ..call import make_call
 from ..functional import attention
@@ -62,6 +63,18 @@ def far_constant(settings: BlockSettings, kind: str, device: torch.device) -> to
 PREFER_STRUCTURED_SCORES = 1 << 19
 
 
+def _toeplitz_call(query, key, value, mask, query_start, key_start, settings: BlockSettings):
+    """The block's validated call when the toeplitz backend can run it (an offset-only bias, no mask, CPU), else
+    None: its backward then needs no recompute (:func:`relbias.backends.toeplitz.toeplitz_part_backward`)."""
+    if mask is not None or "toeplitz" not in BACKENDS:
+        return None
+    call = make_call(
+        query, key, value, bias=settings.bias, is_causal=settings.is_causal, scale=settings.scale,
+        convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
+    )
+    return None if BACKENDS["toeplitz"].unsupported_reasons(call) else call
+
+
 def _band_backend(query, key, value, kwargs: dict, settings: BlockSettings) -> str:
     """"structured" for a large enough block with a far-constant bias that it can run, else "auto"."""
     b, h, lq, _ = query.shape
@@ -92,6 +105,9 @@ def run_block(
     Differentiable in query, key, value and the bias parameters (``relbias.attention`` with ``return_lse``).
     """
     if kind == "bias":
+        call = _toeplitz_call(query, key, value, mask, query_start, key_start, settings)
+        if call is not None:
+            return toeplitz_attention(call)
         kwargs = dict(
             bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
             convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
@@ -118,10 +134,11 @@ def block_backward(
     lse: torch.Tensor,
     params: list[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
-    """One block's share of the gradients of a merged result, by recomputing the block with autograd.
+    """One block's share of the gradients of a merged result.
 
     A far block on the fused CPU kernel runs the kernel's backward with the merged output and the global lse
-    (:func:`relbias.distributed.fused.far_block_backward`, no recompute). Any other block's forward is rerun on
+    (:func:`relbias.distributed.fused.far_block_backward`, no recompute), and so does a biased block that the
+    toeplitz backend runs (an offset-only bias without a mask). Any other block's forward is rerun on
     detached copies of its inputs; the gradients reaching its
     ``(out_b, lse_b)`` from the merged output are ``w_b dO`` and ``w_b (dO . out_b - dO . out)``,
     ``w_b = exp(lse_b - lse)`` (:func:`relbias.distributed.merge.part_gradients`), and autograd carries them
@@ -145,6 +162,13 @@ def block_backward(
         )
         wanted = [p for p in params if p.requires_grad]
         grads = torch.autograd.grad(const, wanted, dconst.to(const.dtype), allow_unused=True) if wanted else ()
+        return dq.to(grad_out.dtype), dk.to(grad_out.dtype), dv.to(grad_out.dtype), list(grads)
+    call = _toeplitz_call(query, key, value, mask, query_start, key_start, settings) if kind == "bias" else None
+    if call is not None:  # the merged output and lse give toeplitz's backward this block's share directly
+        dq, dk, dv, values, dvalues = toeplitz_part_backward(call, grad_out, out, lse)
+        wanted = [p for p in params if p.requires_grad]
+        grads = torch.autograd.grad(values, wanted, dvalues.to(values.dtype), allow_unused=True) if (
+            wanted and values.requires_grad) else [None] * len(params)
         return dq.to(grad_out.dtype), dk.to(grad_out.dtype), dv.to(grad_out.dtype), list(grads)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in (query, key, value)]
