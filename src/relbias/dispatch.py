@@ -2,8 +2,9 @@
 
 ``backend="auto"`` (the default): the first backend of :data:`relbias.backends.BACKENDS` (priority order)
 with no unsupported reasons and no reasons for auto to pass it over. The small-block rule is one of those
-reasons: the tiled backends step aside for the reference at most
-:data:`relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES` scores, where materialising is cheaper. A named backend that cannot run the call raises ValueError with its reasons.
+reasons: the tiled backends (not toeplitz, whose one kernel call per block wins at every size) step aside for the
+reference at most :data:`relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES` scores, where materialising is
+cheaper. A named backend that cannot run the call raises ValueError with its reasons.
 :func:`explain_backend` answers the same question without running anything; since backends never hand
 a call to another one, the backend it names is the one that runs.
 """
@@ -85,11 +86,11 @@ def explain_backend(
     Example:
         >>> import torch, relbias
         >>> q = torch.randn(1, 8, 4096, 64)
-        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]  # the bias table needs a gradient
-        'structured'
-        >>> with torch.no_grad():  # inference
-        ...     relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]
+        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8))[0]  # an offset-only bias, no mask
         'toeplitz'
+        >>> padding = torch.ones(1, 1, 1, 4096, dtype=torch.bool)  # a key padding mask
+        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=padding)[0]
+        'structured'
     """
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
