@@ -1,0 +1,126 @@
+// Helpers shared by the toeplitz backend's native kernels (toeplitz_forward.cpp, toeplitz_backward.cpp): the
+// exported BLAS, a row-major GEMM over it (else at::addmm_out), a polynomial exp that GCC vectorises, argument checks.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+extern "C" {
+// Fortran BLAS (column-major); weak so that a libtorch without them (no MKL / BLAS exported) still loads.
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*) __attribute__((weak));
+void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
+            const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+}
+
+namespace relbias_toeplitz {
+
+constexpr double kExpFloor = -87.0;  // e^-87 = 1.6e-38: float32's smallest normals (as the Python version)
+
+template <typename T>
+inline T bits_to(typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type v) {
+  T out;
+  std::memcpy(&out, &v, sizeof(T));
+  return out;
+}
+
+// exp(x) for x already clamped to [-87, hi] (hi: 88 for float, 709 for double): x = n ln2 + r, |r| <= ln2 / 2,
+// exp(x) = 2^n p(r) with p a Taylor polynomial (float: degree 7, relative error < 2e-7; double: degree 13,
+// < 1e-16 before rounding). Plain arithmetic and bit casts, so GCC vectorises a loop of it at -O3 (no
+// -ffast-math: the rounding trick (t + shifter) - shifter must not be reassociated).
+inline float exp_clamped(float x) {
+  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  float t = x * 1.44269504088896341f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693359375f;  // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
+  r = r + n * 2.12194440e-4f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 127]
+  return p * bits_to<float>(e);
+}
+
+inline double exp_clamped(double x) {
+  const double shifter = 6755399441055744.0;  // 1.5 * 2^52
+  double t = x * 1.4426950408889634074 + shifter;
+  double n = t - shifter;
+  double r = x - n * 6.93147180369123816490e-01;  // fdlibm's ln2_hi, ln2_lo
+  r = r - n * 1.90821492927058770002e-10;
+  double p = 1.0 / 6227020800.0;
+  p = p * r + 1.0 / 479001600.0;
+  p = p * r + 1.0 / 39916800.0;
+  p = p * r + 1.0 / 3628800.0;
+  p = p * r + 1.0 / 362880.0;
+  p = p * r + 1.0 / 40320.0;
+  p = p * r + 1.0 / 5040.0;
+  p = p * r + 1.0 / 720.0;
+  p = p * r + 1.0 / 120.0;
+  p = p * r + 1.0 / 24.0;
+  p = p * r + 1.0 / 6.0;
+  p = p * r + 0.5;
+  p = p * r + 1.0;
+  p = p * r + 1.0;
+  int64_t e = (static_cast<int64_t>(n) + 1023) << 52;  // n in [-126, 1023]
+  return p * bits_to<double>(e);
+}
+
+template <typename T> constexpr T exp_ceiling() { return sizeof(T) == 4 ? T(88) : T(709); }
+
+// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(A) (m x k), op(B) (k x n). beta 0: C is not read.
+template <typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
+          const T* b, int64_t ldb, T beta, T* c, int64_t ldc, bool blas) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {  // nothing to multiply: C = beta C
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
+    return;
+  }
+  if (blas) {
+    // Column-major view: C^T (n x m) = op(B)^T op(A)^T, B^T's column-major storage being B's row-major one.
+    const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+    const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+    if constexpr (std::is_same<T, float>::value) {
+      sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+    } else {
+      dgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+    }
+    return;
+  }
+  auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+  auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+    at::Tensor t = at::from_blob(const_cast<T*>(p), {trans ? cols : rows, trans ? rows : cols}, {ld, 1}, options);
+    return trans ? t.t() : t;
+  };
+  at::Tensor ct = at::from_blob(c, {m, n}, {ldc, 1}, options);
+  at::addmm_out(ct, ct, view(a, m, k, lda, trans_a), view(b, k, n, ldb, trans_b), beta, alpha);
+}
+
+// Whether the exported BLAS has the GEMM for this dtype.
+inline bool have_blas(at::ScalarType dtype) { return dtype == at::kFloat ? sgemm_ != nullptr : dgemm_ != nullptr; }
+
+inline void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+}  // namespace relbias_toeplitz
+
+// Defined in toeplitz_forward.cpp; see there.
+std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& w, double scale, int64_t delta, bool is_causal,
+                                         int64_t tile_q, int64_t tile_k, bool blas);

@@ -1,0 +1,226 @@
+// The toeplitz backend's forward, fused: out and lse of attention with an offset-only bias, one tiled pass with an
+// online softmax (FlashAttention-2 forward, Dao 2023, Alg. 1). Same outputs as the PyTorch path of
+// relbias.backends._toeplitz_kernel._forward_impl (PyTorch's CPU flash kernel per query block, the bias as a strided
+// mask); built and loaded with the backward by relbias.backends._toeplitz_native.
+//
+// For query i and key j the bias is w[Lq - 1 - i + j] (w: the reversed, scaled per-offset values, (Hb, Lq+Lk-1),
+// -inf at a causal call's future offsets), so a query row reads a contiguous window of w. Per query tile, with
+// running row maxima m, row sums l and the unnormalised output O (the output rows themselves):
+//
+//   for each key tile the tile can see (causal: up to its last row's diagonal):
+//     S = scale q k^T                                              (GEMM)
+//     x = S + w (visible keys only),  m' = max(m, max_j x),  P = exp(x - m'),  a = exp(m - m')   (one fused pass)
+//     l = a l + sum_j P,  O = a O + P v                             (row scaling, GEMM)
+//   out = O / l,  lse = m + log l
+//
+// Keys beyond a row's diagonal (causal) get P = 0 exactly without being exponentiated; terms exp(x - m') below
+// e^-87 are dropped (0), as float32 flushes them (they are below 2^-126 of the row's largest term, 1). A query that
+// sees no key (causal, every key after it) gets out 0 and lse -inf.
+//
+// Parallel over (batch x head, query tile) tasks, taken from a shared counter by each of torch's threads, the
+// heaviest (a causal call's last query tiles) first: enough tasks for every thread even at B*H = 1, balanced.
+// Each task writes only its own output rows, in an order fixed by the tile sizes, so results are bit-identical
+// across runs and thread counts (as far as the BLAS is). GEMMs are single-threaded inside a task: sgemm_ / dgemm_
+// that libtorch_cpu exports when built with MKL, else at::addmm_out on tile views. Denormals: the caller flushes
+// them on every OpenMP thread.
+
+#include "toeplitz_common.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using namespace relbias_toeplitz;
+
+// One row's two passes over its visible keys, each reducing into kLanes partial results combined in a fixed order
+// (deterministic; vectorised without -ffast-math). Written as `#pragma omp simd reduction` loops inside the task
+// loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
+
+// srow[j] += wrow[j] for j < n; returns the largest (-inf for n = 0; NaNs ignored, they reach the sum below). In
+// GCC vector extensions (also Clang's): as a lane loop like exp_sum's, GCC kept the max scalar (unrolled vmaxss).
+template <typename T>
+T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, int64_t n) {
+  constexpr int kLanes = 64 / sizeof(T);
+  typedef T Vec __attribute__((vector_size(64)));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  Vec part;
+  for (int l = 0; l < kLanes; ++l) part[l] = neg_inf;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Vec x, b;
+    std::memcpy(&x, srow + j, sizeof(Vec));
+    std::memcpy(&b, wrow + j, sizeof(Vec));
+    x += b;
+    std::memcpy(srow + j, &x, sizeof(Vec));
+    part = x > part ? x : part;
+  }
+  T mx = neg_inf;
+  for (; j < n; ++j) {
+    const T x = srow[j] + wrow[j];
+    srow[j] = x;
+    mx = x > mx ? x : mx;
+  }
+  for (int l = 0; l < kLanes; ++l) mx = part[l] > mx ? part[l] : mx;
+  return mx;
+}
+
+// exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises).
+template <typename T>
+inline T exp_term(T s, T m, T floor) {
+  const T x = s - m;
+  const T keep = x < floor ? T(0) : T(1);
+  return exp_clamped(x < floor ? floor : x) * keep;
+}
+
+// srow[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87; returns their sum (lanes, then the tail).
+template <typename T>
+T exp_sum(T* __restrict__ srow, T m, int64_t n) {
+  constexpr int kLanes = 64 / sizeof(T);
+  const T floor = static_cast<T>(kExpFloor);
+  T part[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const T p = exp_term(srow[j + l], m, floor);
+      srow[j + l] = p;
+      part[l] += p;
+    }
+  }
+  T sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += part[l];
+  for (; j < n; ++j) {
+    const T p = exp_term(srow[j], m, floor);
+    srow[j] = p;
+    sum += p;
+  }
+  return sum;
+}
+
+template <typename T>
+void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
+                    double scale_d, int64_t delta, bool is_causal, int64_t tile_q, int64_t tile_k, bool blas,
+                    at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
+  const int64_t Lk = k.size(2), Dv = v.size(3);
+  const int64_t Hb = w.size(0), M = w.size(1);
+  const int64_t BH = B * H;
+  const int64_t n_tiles = (Lq + tile_q - 1) / tile_q;
+  const int64_t n_tasks = BH * n_tiles;
+  const T scale = static_cast<T>(scale_d);
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+
+  const T* q_p = q.data_ptr<T>();
+  const T* k_p = k.data_ptr<T>();
+  const T* v_p = v.data_ptr<T>();
+  const T* w_p = w.data_ptr<T>();
+  T* o_p = out.data_ptr<T>();
+  T* lse_p = lse.data_ptr<T>();
+
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    constexpr int64_t kAlign = 64 / sizeof(T);  // S on a 64-byte boundary: the same BLAS code path every run
+    std::vector<T> s_buf(tile_q * tile_k + kAlign), m_buf(tile_q), l_buf(tile_q);
+    // scores, then P
+    T* S = s_buf.data() + (kAlign - (reinterpret_cast<std::uintptr_t>(s_buf.data()) / sizeof(T)) % kAlign) % kAlign;
+    T* row_m = m_buf.data();
+    T* row_l = l_buf.data();
+    for (int64_t task = next.fetch_add(1); task < n_tasks; task = next.fetch_add(1)) {
+      const int64_t bh = task % BH;
+      const int64_t qt = n_tiles - 1 - task / BH;  // last query tiles first: a causal call's heaviest
+      const int64_t i0 = qt * tile_q, i1 = std::min(Lq, i0 + tile_q), bq = i1 - i0;
+      const int64_t hb = Hb == 1 ? 0 : bh % H;
+      const T* wr = w_p + hb * M;
+      const T* qb = q_p + (bh * Lq + i0) * Dk;
+      const T* kb = k_p + bh * Lk * Dk;
+      const T* vb = v_p + bh * Lk * Dv;
+      T* ob = o_p + (bh * Lq + i0) * Dv;  // the tile's output rows: O, unnormalised until the end
+      T* lb = lse_p + bh * Lq + i0;
+      std::fill(ob, ob + bq * Dv, T(0));
+      std::fill(row_m, row_m + bq, neg_inf);
+      std::fill(row_l, row_l + bq, T(0));
+      const int64_t kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
+      for (int64_t k0 = 0; k0 < kend; k0 += tile_k) {
+        const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
+        gemm<T>(false, true, bq, bk, Dk, scale, qb, Dk, kb + k0 * Dk, Dk, T(0), S, tile_k, blas);
+        for (int64_t a = 0; a < bq; ++a) {
+          const int64_t i = i0 + a;
+          T* __restrict__ srow = S + a * tile_k;
+          int64_t jend = bk;  // keys k0 + j, j < jend, are visible to query i
+          if (is_causal) jend = std::min(bk, std::max<int64_t>(0, i + delta + 1 - k0));
+          const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
+          const T mx = add_bias_max(srow, wrow, jend);
+          const T m_old = row_m[a];
+          const T m_new = mx > m_old ? mx : m_old;
+          if (jend == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
+            std::fill(srow, srow + bk, T(0));
+            continue;
+          }
+          const T sum = exp_sum(srow, m_new, jend);
+          std::fill(srow + jend, srow + bk, T(0));
+          const T alpha = std::exp(m_old - m_new);  // 0 while m_old is -inf (O and l are still 0)
+          row_l[a] = alpha * row_l[a] + sum;
+          row_m[a] = m_new;
+          if (alpha != T(1)) {
+            T* __restrict__ orow = ob + a * Dv;
+            for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
+          }
+        }
+        gemm<T>(false, false, bq, Dv, bk, T(1), S, tile_k, vb + k0 * Dv, Dv, T(1), ob, Dv, blas);
+      }
+      for (int64_t a = 0; a < bq; ++a) {
+        T* __restrict__ orow = ob + a * Dv;
+        const T l = row_l[a];
+        if (l == T(0)) {  // sees no key: out 0, lse -inf (a NaN score stays NaN)
+          std::fill(orow, orow + Dv, T(0));
+          lb[a] = neg_inf;
+          continue;
+        }
+        for (int64_t d = 0; d < Dv; ++d) orow[d] /= l;
+        lb[a] = row_m[a] + std::log(l);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// (out, lse) of the toeplitz attention; see the file's head. Shapes: q (B, H, Lq, Dk); k (B, H, Lk, Dk); v
+// (B, H, Lk, Dv); w (Hb, Lq + Lk - 1) with Hb 1 or H, the reversed scaled bias (-inf at a causal call's future
+// offsets); all contiguous CPU tensors of one dtype, float32 or float64. delta: key s is visible to query t when
+// s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
+// (B, H, Lq), contiguous, in that dtype. blas: call the exported BLAS directly (when present) instead of
+// at::addmm_out.
+std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& w, double scale, int64_t delta, bool is_causal,
+                                         int64_t tile_q, int64_t tile_k, bool blas) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "toeplitz_forward: float32 or float64, got ", dtype);
+  check(q, "query", dtype, 4);
+  check(k, "key", dtype, 4);
+  check(v, "value", dtype, 4);
+  check(w, "w", dtype, 2);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
+                  k.size(3) == q.size(3), "toeplitz_forward: query, key, value shapes disagree");
+  TORCH_CHECK((w.size(0) == 1 || w.size(0) == H) && w.size(1) == Lq + Lk - 1,
+              "toeplitz_forward: w must be (1 or H, Lq + Lk - 1)");
+  TORCH_CHECK(tile_q > 0 && tile_k > 0, "toeplitz_forward: tiles must be positive");
+  const int64_t big = std::numeric_limits<int>::max();
+  blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile_k < big;
+  at::Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options());
+  at::Tensor lse = at::empty({B, H, Lq}, q.options());
+  if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_forward", [&] {
+    forward_kernel<scalar_t>(q, k, v, w, scale, delta, is_causal, tile_q, tile_k, blas, out, lse);
+  });
+  return {out, lse};
+}
