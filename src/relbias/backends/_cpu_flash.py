@@ -20,6 +20,8 @@ __all__ = ["cpu_flash_reasons", "fused_available", "fused_backward", "fused_forw
 
 def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether a fused kernel with log-sum-exp in and out exists here; (ok, reason)."""
+    if torch.compiler.is_compiling():  # dynamo traces through a cache (and warns): the plain function
+        return _fused_available.__wrapped__(device.type, dtype)
     return _fused_available(device.type, dtype)
 
 

@@ -81,8 +81,7 @@ class ToeplitzBackend(Backend):
         # No small-block rule: one kernel call per query block beats materialising the scores at every size
         # measured (64 to 724 tokens, T5 and KERPLE, forward and forward+backward: 1.1-7x faster than the reference).
         bias = call.bias
-        # compiling: structured runs eagerly only (and T5's far distance reads values)
-        far_constant = isinstance(bias, RelativeBias) and bias.offset_only and not torch.compiler.is_compiling()
+        far_constant = isinstance(bias, RelativeBias) and bias.offset_only
         a = call.alignment
         if call.needs_grad and a.query_len * a.key_len > STRUCTURED_GRAD_MIN_SCORES and far_constant and \
                 bias.far_constant_distance():

@@ -13,6 +13,10 @@ from .table import TableBias
 __all__ = ["T5Bias"]
 
 
+#: (bidirectional, num_buckets, max_distance) -> saturation distance (tokens), filled on first use per setting.
+_SATURATION: dict[tuple[bool, int, int], int] = {}
+
+
 class T5Bias(TableBias):
     """T5 relative position bias: one learnable scalar per bucket and head, ``PE(i, j) = u_{b(i-j), h}``.
 
@@ -58,6 +62,7 @@ class T5Bias(TableBias):
         self.max_distance = max_distance
         self.bidirectional = bidirectional
         self.weight = nn.Parameter(torch.randn(num_buckets, num_heads) * init_std)
+        self.saturation_distance  # noqa: B018 - computed now, eagerly, for compiled calls later
 
     def index(self, offsets: torch.Tensor) -> torch.Tensor:
         """Bucket of each offset, :func:`relbias.t5_bucket` with this module's settings.
@@ -89,10 +94,16 @@ class T5Bias(TableBias):
     def saturation_distance(self) -> int:
         """Smallest distance (tokens) from which every larger one shares the last bucket of its direction.
 
-        Beyond it the bias is one constant per direction (91 bidirectional / 113 causal for 32/128).
+        Beyond it the bias is one constant per direction (91 bidirectional / 113 causal for 32/128). Computed once
+        per setting (the bucket ranges read tensor values), so torch.compile traces a plain int.
         """
-        _, lo, _ = self.bucket_ranges()[self.num_buckets // 2 - 1 if self.bidirectional else -1]
-        return lo
+        settings = (self.bidirectional, self.num_buckets, self.max_distance)
+        distance = _SATURATION.get(settings)
+        if distance is None:
+            with torch.device("cpu"):  # plain numbers, also when the module is built under torch.device("meta")
+                _, distance, _ = self.bucket_ranges()[self.num_buckets // 2 - 1 if self.bidirectional else -1]
+            _SATURATION[settings] = distance
+        return distance
 
     def causal_mismatch(self) -> str | None:
         if not self.bidirectional:

@@ -14,7 +14,7 @@ import torch
 
 from ..backends._autograd import first_order
 from ..backends._cpu_flash import fused_available, fused_backward
-from ..backends.structured import _additive, _empty_rows, _part_backward, _run_part
+from ..backends._structured_parts import additive_mask, empty_rows, part_backward, run_part
 from ..functional import attention
 from .merge import DOUBLE_BACKWARD_HINT
 
@@ -38,7 +38,7 @@ def _keep(mask: torch.Tensor | None) -> torch.Tensor | None:
 class _FusedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, scale, keep):
-        out, lse = _run_part(query, key, value, "full", scale, keep)
+        out, lse = run_part(query, key, value, "full", scale, keep)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.scale, ctx.keep = scale, keep
         ctx.set_materialize_grads(False)
@@ -57,7 +57,7 @@ class _FusedFunction(torch.autograd.Function):
         dk = torch.zeros(key.shape, dtype=compute, device=key.device)
         dv = torch.zeros(value.shape, dtype=compute, device=value.device)
         kernel_lse = lse.masked_fill(empty, float("inf"))  # rows with no visible key: p = exp(s - inf) = 0
-        _part_backward(do, query, key, value, out, kernel_lse, "full", ctx.scale, dq, dk, dv, ctx.keep, lse_grad)
+        part_backward(do, query, key, value, out, kernel_lse, "full", ctx.scale, dq, dk, dv, ctx.keep, lse_grad)
         return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None
 
 
@@ -132,12 +132,12 @@ def far_block_backward(
     keep = _keep(mask)
     empty = lse == _NEG_INF
     if keep is not None:
-        empty = empty | _empty_rows(keep, "full", q.shape[2])
+        empty = empty | empty_rows(keep, "full", q.shape[2])
     kernel_lse = kernel_lse.masked_fill(empty, float("inf"))  # rows seeing no key here: p = 0
     do1 = pad(grad_out.to(q.dtype), (0, 1))
     out1 = pad(out.to(q.dtype), (0, 1))
     gq, gk, gv = fused_backward(do1, q1, k1, v1, out1, kernel_lse, is_causal=False, scale=scale,
-                                attn_mask=_additive(keep, q.dtype))
+                                attn_mask=additive_mask(keep, q.dtype))
     dconst = gq[..., d].to(compute).sum(dim=(0, 2)) / scale  # (H,)
     dconst = dconst.sum(0, keepdim=True) if const.shape[0] == 1 else dconst
     return gq[..., :d].to(compute), gk[..., :d].to(compute), gv[..., :d].to(compute), dconst[:, None]
