@@ -44,7 +44,7 @@ using namespace relbias_toeplitz;
 // (deterministic; vectorised without -ffast-math). Written as `#pragma omp simd reduction` loops inside the task
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
-// srow[j] += wrow[j] for j < n; returns the largest (-inf for n = 0; NaNs ignored, they reach the sum below). In
+// srow[j] += wrow[j] for j < n; returns the largest (-inf for n = 0; NaN if any is: a NaN query stays NaN). In
 // GCC vector extensions (also Clang's): as a lane loop like exp_sum's, GCC kept the max scalar (unrolled vmaxss).
 template <typename T>
 T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, int64_t n) {
@@ -60,15 +60,15 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, int64_t n) {
     std::memcpy(&b, wrow + j, sizeof(Vec));
     x += b;
     std::memcpy(srow + j, &x, sizeof(Vec));
-    part = x > part ? x : part;
+    part = (x > part) | (x != x) ? x : part;
   }
   T mx = neg_inf;
   for (; j < n; ++j) {
     const T x = srow[j] + wrow[j];
     srow[j] = x;
-    mx = x > mx ? x : mx;
+    mx = x > mx || x != x ? x : mx;
   }
-  for (int l = 0; l < kLanes; ++l) mx = part[l] > mx ? part[l] : mx;
+  for (int l = 0; l < kLanes; ++l) mx = part[l] > mx || part[l] != part[l] ? part[l] : mx;
   return mx;
 }
 
@@ -159,7 +159,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
           const T mx = add_bias_max(srow, wrow, jend);
           const T m_old = row_m[a];
-          const T m_new = mx > m_old ? mx : m_old;
+          const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (jend == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
             std::fill(srow, srow + bk, T(0));
             continue;
