@@ -200,11 +200,188 @@ def test_a_failed_build_falls_back_to_python_and_names_the_error(monkeypatch, fr
     def broken_build():
         raise OSError("no compiler here")
 
+    args = _inputs(10, 10, H, 0, True, torch.float64)[0]  # by the native forward, before the build breaks
     monkeypatch.setattr(_toeplitz_native, "_loaded", {})
     monkeypatch.setattr(_toeplitz_native, "_build", broken_build)
     assert "no compiler here" in _toeplitz_native.native_unavailable_reason()
     with pytest.raises(RuntimeError, match="unavailable"):
-        _toeplitz_native.native_backward(*_inputs(10, 10, H, 0, True, torch.float64)[0], {"scale": 1.0, "delta": 0,
-                                                                                         "is_causal": True, "tile": 4})
-    with pytest.warns(RuntimeWarning, match="no compiler here"):
+        _toeplitz_native.native_backward(*args, {"scale": 1.0, "delta": 0, "is_causal": True, "tile": 4})
+    with pytest.raises(RuntimeError, match="unavailable"):
+        _toeplitz_native.native_forward(*args[1:4], args[7], {"scale": 1.0, "delta": 0, "is_causal": True,
+                                                               "tile_q": 4, "tile_k": 4})
+    with pytest.warns(RuntimeWarning, match="no compiler here") as caught:
         _attention_grads(monkeypatch)
+    messages = [str(w.message) for w in caught]
+    assert any("forward runs PyTorch's flash kernel" in m for m in messages)  # once each
+    assert any("backward runs in Python" in m for m in messages)
+    assert len(messages) == 2
+
+
+# The native forward (csrc/toeplitz_forward.cpp).
+
+FORWARD_DIRECT = [  # (Lq, Lk, Hb, delta, is_causal, tile_q, tile_k)
+    (45, 45, H, 0, True, 7, 5),
+    (45, 45, H, 0, False, 16, 9),
+    (17, 50, H, 33, True, 5, 6),  # a KV cache: queries on the last keys
+    (50, 17, 1, 0, True, 6, 4),  # more queries than keys, one bias for every head
+    (30, 40, H, -12, True, 9, 7),  # the first 12 queries see no key
+    (30, 40, H, -35, True, 4, 4),  # no query sees a key
+    (30, 40, 1, 22, False, 64, 64),  # one tile larger than both lengths
+    (1, 40, H, 39, True, 4, 8),  # one query (decoding)
+    (1, 1, 1, 0, False, 3, 3),
+]
+
+
+def _forward_inputs(lq, lk, hb, delta, is_causal, dtype, *, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype) for n in (lq, lk, lk))
+    values = torch.randn(hb, lq + lk - 1, generator=g, dtype=dtype)
+    return q, k, v, values
+
+
+def _flash_forward(q, k, v, values, scale, delta, is_causal, monkeypatch):
+    """The PyTorch path of _forward_impl (the CPU flash kernel per query block)."""
+    with monkeypatch.context() as m:
+        m.setenv("RELBIAS_NATIVE", "0")
+        return _forward_impl(q, k, v, values, scale, 1.0, delta, is_causal, 7, 5)
+
+
+@pytest.mark.parametrize("blas", [True, False], ids=["blas", "addmm"])
+@pytest.mark.parametrize(
+    "case", FORWARD_DIRECT,
+    ids=lambda c: f"{c[0]}x{c[1]}-hb{c[2]}-d{c[3]}-{'causal' if c[4] else 'bidi'}-t{c[5]}x{c[6]}",
+)
+def test_float64_native_forward_equals_the_flash_path(case, blas, monkeypatch):
+    lq, lk, hb, delta, is_causal, tile_q, tile_k = case
+    q, k, v, values = _forward_inputs(lq, lk, hb, delta, is_causal, torch.float64)
+    scale = D ** -0.5
+    w = reversed_bias(values, torch.float64, 1.0, is_causal, delta, lk)
+    plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k}
+    out, lse = _toeplitz_native.native_forward(q, k, v, w, plan, blas=blas)
+    want_out, want_lse = _flash_forward(q, k, v, values, scale, delta, is_causal, monkeypatch)
+    assert out.shape == want_out.shape and out.dtype == torch.float64 and out.is_contiguous()
+    assert lse.shape == want_lse.shape and lse.dtype == want_lse.dtype and lse.is_contiguous()
+    torch.testing.assert_close(out, want_out, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-9, atol=1e-9)
+    blind = min(lq, max(0, -delta)) if is_causal else 0  # queries before every key
+    assert bool((lse[:, :, :blind] == float("-inf")).all()) and bool((out[:, :, :blind] == 0).all())
+    assert bool(torch.isfinite(lse[:, :, blind:]).all())
+
+
+def _flash_must_not_run(*args, **kwargs):
+    raise AssertionError("the CPU flash kernel ran: the native forward was expected")
+
+
+FORWARD_CASES = [  # (Lq, Lk, query_start, key_start, is_causal, bias heads)
+    (45, 45, None, 0, True, H),
+    (45, 45, None, 0, False, H),
+    (17, 50, None, 0, True, H),  # queries on the last keys
+    (50, 17, 0, 0, True, H),  # more queries than keys, top-left
+    (30, 40, -12, 0, True, H),  # the first 12 queries see no key
+    (30, 40, 25, 3, False, 1),  # one bias for every head
+    (1, 33, None, 0, True, H),  # one query
+    (1, 33, None, 0, False, 1),
+]
+
+
+@pytest.mark.parametrize("tiles", [(5, 7), (16, 4), (64, 64)], ids=lambda t: f"t{t[0]}x{t[1]}")
+@pytest.mark.parametrize(
+    "case", FORWARD_CASES, ids=lambda c: f"{c[0]}x{c[1]}-qs{c[2]}-ks{c[3]}-{'causal' if c[4] else 'bidi'}-hb{c[5]}"
+)
+@pytest.mark.parametrize("family", ["alibi", "kerple_log", "kerple_power", "offset_clip", "t5", "function"])
+def test_float64_native_forward_matches_the_reference(family, case, tiles, monkeypatch):
+    from relbias.backends import _toeplitz_kernel
+
+    monkeypatch.setattr(toeplitz, "BLOCK_Q", 64)  # caps the tiles: above them
+    monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_Q", tiles[0])
+    monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_K", tiles[1])
+    monkeypatch.setattr(_toeplitz_kernel, "fused_forward", _flash_must_not_run)
+    lq, lk, query_start, key_start, is_causal, heads = case
+    torch.manual_seed(lq + lk)
+    if family == "offset_clip":
+        bias = make_bias("offset", num_heads=heads, max_len=20, bidirectional=not is_causal,
+                         out_of_range="clip").double()
+        with torch.no_grad():
+            for p in bias.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+    else:
+        bias, _ = _bias(family, bidirectional=not is_causal or family == "function", num_heads=heads)
+    q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (lq, lk, lk))
+    kwargs = dict(is_causal=is_causal, query_start=query_start, key_start=key_start, return_lse=True)
+    assert relbias.explain_backend(q, k, v, bias=bias, backend="toeplitz", is_causal=is_causal,
+                                   query_start=query_start, key_start=key_start)[0] == "toeplitz"
+    with torch.no_grad():
+        got = relbias.attention(q, k, v, bias=bias, backend="toeplitz", **kwargs)
+        want = relbias.attention(q, k, v, bias=bias, backend="reference", **kwargs)
+    for name, g, w in zip(["out", "lse"], got, want):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_float32_native_forward_is_close_to_the_float64_reference(is_causal, monkeypatch):
+    from relbias.backends import _toeplitz_kernel
+
+    monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_Q", 24)
+    monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_K", 40)
+    monkeypatch.setattr(_toeplitz_kernel, "fused_forward", _flash_must_not_run)
+    torch.manual_seed(3)
+    bias, _ = _bias("kerple_log", bidirectional=not is_causal)
+    q, k, v = (torch.randn(B, H, 130, D, dtype=torch.float64) for _ in range(3))
+    with torch.no_grad():
+        want = relbias.attention(q, k, v, bias=bias, backend="reference", is_causal=is_causal, return_lse=True)
+        got = relbias.attention(q.float(), k.float(), v.float(), bias=copy.deepcopy(bias).float(),
+                                backend="toeplitz", is_causal=is_causal, return_lse=True)
+    for name, g, w in zip(["out", "lse"], got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("hb, is_causal", [(H, True), (1, False)])
+def test_native_forward_results_are_bit_identical_across_runs(hb, is_causal, threads):
+    torch.set_num_threads(threads)  # conftest restores it
+    q, k, v, values = _forward_inputs(150, 150, hb, 0, is_causal, torch.float32)
+    w = reversed_bias(values, torch.float32, 1.0, is_causal, 0, 150)
+    plan = {"scale": D ** -0.5, "delta": 0, "is_causal": is_causal, "tile_q": 16, "tile_k": 24}
+    first = _toeplitz_native.native_forward(q, k, v, w, plan)
+    for _ in range(3):
+        again = _toeplitz_native.native_forward(q, k, v, w, plan)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_native_forward_takes_non_contiguous_inputs():
+    q, k, v, values = _forward_inputs(20, 20, H, 0, True, torch.float64)
+    w = reversed_bias(values, torch.float64, 1.0, True, 0, 20)
+    plan = {"scale": D ** -0.5, "delta": 0, "is_causal": True, "tile_q": 8, "tile_k": 8}
+    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    assert not strided[0].is_contiguous()
+    got = _toeplitz_native.forward(*strided, w, plan)
+    want = _toeplitz_native.forward(q, k, v, w, plan)
+    for g, x in zip(got, want):
+        assert g.is_contiguous() and torch.equal(g, x)
+
+
+def test_relbias_native_0_runs_the_flash_forward(monkeypatch):
+    q, k, v, values = _forward_inputs(20, 20, H, 0, True, torch.float64)
+    native = _forward_impl(q, k, v, values, D ** -0.5, 1.0, 0, True, 8, 5)
+    monkeypatch.setenv("RELBIAS_NATIVE", "0")
+    assert _toeplitz_native.forward(q, k, v, reversed_bias(values, torch.float64, 1.0, True, 0, 20), {}) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an explicit opt-out: nothing to warn about
+        flash = _forward_impl(q, k, v, values, D ** -0.5, 1.0, 0, True, 8, 5)
+    for g, w in zip(native, flash):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_native_forward_a_nan_query_reaches_only_that_query(is_causal):
+    q, k, v, values = _forward_inputs(30, 30, H, 0, is_causal, torch.float32)
+    q[1, 2, 17, 3] = float("nan")
+    w = reversed_bias(values, torch.float32, 1.0, is_causal, 0, 30)
+    plan = {"scale": D ** -0.5, "delta": 0, "is_causal": is_causal, "tile_q": 8, "tile_k": 16}
+    out, lse = _toeplitz_native.native_forward(q, k, v, w, plan)
+    bad = torch.zeros(B, H, 30, dtype=torch.bool)
+    bad[1, 2, 17] = True
+    assert bool(torch.isnan(out[bad]).all() and torch.isnan(lse[bad]).all())
+    assert bool(torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all())

@@ -27,9 +27,18 @@ def _forward_impl(
     bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
-    ``tile`` is the backward's (kept with the forward's settings)."""
+    ``tile`` is the backward's (kept with the forward's settings). The fused C++ forward
+    (:func:`relbias.backends._toeplitz_native.forward`, tiles capped by ``block_q``) where it is built;
+    else PyTorch's CPU flash kernel per block of ``block_q`` query rows."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
+        tile_q, tile_k = _toeplitz_native.forward_tiles(block_q, tile)
+        native = _toeplitz_native.forward(
+            query, key, value, w,
+            {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k},
+        )
+        if native is not None:
+            return native
         b, h, lq, _ = query.shape
         lk = key.shape[2]
         out = query.new_zeros(b, h, lq, value.shape[-1])
