@@ -1,7 +1,9 @@
-"""The toeplitz backward's native kernel (csrc/toeplitz_backward.cpp) against its Python version and the reference:
-float64 to 1e-9 on uneven shapes (tiles smaller than and not dividing the lengths, causal and bidirectional,
-Lq != Lk, queries that see no key, a bias shared by every head, an lse gradient), float32 against float64,
-bit-identical repeats, and the fallback to Python (RELBIAS_NATIVE=0 silently, a failed build with one warning)."""
+"""The toeplitz native kernels (csrc/): the backward against its Python version and the reference, float64 to 1e-9
+on uneven shapes (tiles smaller than and not dividing the lengths, causal and bidirectional, Lq != Lk, queries that
+see no key, a bias shared by every head, an lse gradient), float32 against float64, bit-identical repeats, and the
+fallback to Python (RELBIAS_NATIVE=0 silently, a failed build with one warning per kernel); the forward likewise
+against the CPU flash kernel path and, for every offset-only family, the reference (Lq = 1 too), bit-identical
+repeats on 1 and 2 threads, non-contiguous inputs, a NaN query."""
 
 from __future__ import annotations
 

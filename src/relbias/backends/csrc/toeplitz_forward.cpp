@@ -214,6 +214,8 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK((w.size(0) == 1 || w.size(0) == H) && w.size(1) == Lq + Lk - 1,
               "toeplitz_forward: w must be (1 or H, Lq + Lk - 1)");
   TORCH_CHECK(tile_q > 0 && tile_k > 0, "toeplitz_forward: tiles must be positive");
+  tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
+  tile_k = std::min(tile_k, std::max<int64_t>(Lk, 1));
   const int64_t big = std::numeric_limits<int>::max();
   blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile_k < big;
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options());
