@@ -114,9 +114,9 @@ def _build():
 
 
 def load_native():
-    """The built extension module (with ``toeplitz_forward``, ``toeplitz_backward`` and ``has_blas``), building it on the first call;
-    None when ``RELBIAS_NATIVE=0`` is set or the build failed (see :func:`native_unavailable_reason`). The build is
-    tried once per process."""
+    """The built extension module (with ``toeplitz_forward``, ``toeplitz_backward`` and ``has_blas``), building it
+    on the first call; None when ``RELBIAS_NATIVE=0`` is set or the build failed (see
+    :func:`native_unavailable_reason`). The build is tried once per process."""
     if native_unavailable_reason() is not None:
         return None
     return _loaded.get("module")
