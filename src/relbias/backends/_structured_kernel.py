@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..positions import Alignment
-from ._autograd import first_order
+from ._autograd import eager_function, first_order
 from ._bias_tiles import NativeSource
 from ._structured_parts import empty_rows, far_parts, merge_part, part_backward, run_part
 from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
@@ -190,17 +190,7 @@ def _backward_with(backward_op):
 structured_forward.register_autograd(_backward_with(structured_backward), setup_context=_setup_context)
 
 
-class _Eager(torch.autograd.Function):
-    """The same forward and backward outside torch.compile (an eager custom-op call would import PyTorch's compiler
-    stack on first use)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _forward_impl(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
-
-    backward = staticmethod(_backward_with(_backward_impl))
+_Eager = eager_function("StructuredEager", _forward_impl, _setup_context, _backward_with(_backward_impl))
 
 
 def structured_apply(query, key, value, values, keep, settings: tuple, keep_parts: bool):
