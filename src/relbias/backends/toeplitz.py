@@ -1,29 +1,32 @@
 """The toeplitz backend: every offset-only bias at the speed of bias-free fused attention (CPU).
 
 An offset-only bias ``PE(i, j) = f_h(i - j)`` is, per head, a Toeplitz matrix: constant along each
-diagonal. Its native form (:meth:`relbias.RelativeBias.native`) holds the Lq + Lk - 1 distinct values.
-Reversed, ``w[m] = values[M - 1 - m]``, and with a block of query rows taken in reverse order (row
-``a`` is query ``i1 - 1 - a``), the block's bias is ``w[c + a + s]`` for key ``s``: a view of ``w`` with
-strides (1, 1), so no (H, Lq, Lk) tensor is ever formed. PyTorch's CPU flash-attention kernel takes that
-view as its additive ``attn_mask``, one call per block of :data:`BLOCK_Q` query rows against the keys the
-block can see (causal: a prefix; the future keys of its diagonal read ``-inf`` from ``w``).
+diagonal. Its native form (:meth:`relbias.RelativeBias.native`) holds the Lq + Lk - 1 distinct values;
+reversed and scaled, ``w`` (:func:`relbias.backends._toeplitz_view.reversed_bias`), query ``i`` and key ``j`` read
+``w[Lq - 1 - i + j]``, so a query row reads a contiguous window of ``w`` and no (H, Lq, Lk) tensor is ever formed.
 
-Backward: without a bias gradient (ALiBi, or bias parameters that need none), the kernel's backward, given the
-same view, returns dq, dk, dv. With one, a single tiled pass forms ``P`` and ``dS = P * (dP - D)`` once per
-(query tile, key tile) and from them dq, dk, dv and the bias gradient ``dPE(t) = sum_{i - j = t} dS_ij``
-(FlashAttention-2, Dao 2023, Alg. 2), in a fixed order (deterministic): a C++ kernel compiled on first use
-(:mod:`relbias.backends._toeplitz_native`: one fused elementwise pass per tile; needs a C++ compiler and ``ninja``,
-about 40 s once per machine), else the same pass in PyTorch (:mod:`relbias.backends._toeplitz_backward`). Saved for backward: O(B·H·L·D). Both run with denormals flushed to zero on every thread
-(:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys otherwise land in float32 denormals, which
-made the forward 1.4x and the backward 4x slower; the tiled pass also clamps scores at -87 before ``exp``.
+Forward and backward are fused C++ kernels (:mod:`relbias.backends._toeplitz_native`, compiled on first use with
+``torch.utils.cpp_extension``: about 45 s once per machine kind; they need a C++ compiler with OpenMP and
+``ninja``): FlashAttention-2's forward (Dao 2023, Alg. 1; online softmax over key tiles, causal tiles beyond the
+diagonal skipped) and backward (Alg. 2; ``P`` and ``dS = P * (dP - D)`` formed once per (query tile, key tile),
+giving dq, dk, dv and the bias gradient ``dPE(t) = sum_{i - j = t} dS_ij`` in one elementwise pass), parallel over
+batch x heads (x query tiles, forward), deterministic (fixed summation order).
+
+Where they cannot be built (or ``RELBIAS_NATIVE=0``), the forward reads ``w`` through a strided view (strides 1, 1,
+query rows of a block in reverse order) as the additive ``attn_mask`` of PyTorch's CPU flash kernel, one call per
+block of :data:`BLOCK_Q` query rows against the keys the block can see; the backward is that kernel's (no bias
+gradient) or the native kernel's pass in PyTorch (:mod:`relbias.backends._toeplitz_backward`). Everything runs with
+denormals flushed to zero on every thread (:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys
+otherwise land in float32 denormals (measured: forward 1.4x, backward 4x slower); exponentials are clamped at -87.
+Saved for backward: O(B·H·L·D).
 
 Under ``torch.compile`` forward and backward are ``torch.library`` custom ops
 (:mod:`relbias.backends._toeplitz_kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
 eager calls run the same functions through a plain ``autograd.Function``.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask, no dropout, CPU, equal
-query and value head_dim, int positions (not the tensor positions of a compiled static cache). float16 and bfloat16 inputs run in float32 (a half-precision mask would round the
-bias).
+query and value head_dim, int positions (not the tensor positions of a compiled static cache). float16 and
+bfloat16 inputs run in float32 (a half-precision mask would round the bias).
 """
 
 from __future__ import annotations
@@ -57,9 +60,8 @@ class ToeplitzBackend(Backend):
 
     name = "toeplitz"
     summary = (
-        "offset-only bias: a strided view of its per-offset values as the additive mask of PyTorch's fused CPU "
-        "flash kernel, per query block; backward: one fused pass per tile forming dS once (C++, built on first "
-        "use); memory O(N·D)"
+        "offset-only bias read from its per-offset values: fused C++ FlashAttention-2 forward and backward (built on "
+        "first use; else PyTorch's CPU flash kernel with the bias as a strided view); memory O(N·D)"
     )
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
