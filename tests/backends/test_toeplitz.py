@@ -9,36 +9,10 @@ import torch
 
 import relbias
 from relbias.backends import toeplitz
-from relbias.biases import make_bias
+
+from ._toeplitz_cases import family_bias, run_with_grads
 
 B, H, D = 2, 3, 8
-
-
-def _bias(name, *, bidirectional, num_heads=H):
-    if name == "function":  # a learnable function of the offset that no family implements
-        weight = torch.nn.Parameter(torch.randn(num_heads, 1, dtype=torch.float64))
-        return relbias.FunctionBias(lambda o: torch.sin(weight * o.double() / 3) * weight, num_heads=num_heads,
-                                    bidirectional=bidirectional), [weight]
-    options = {"out_of_range": "clip"} if name == "offset_clip" else {}
-    bias = make_bias(name.replace("_clip", ""), num_heads=num_heads, max_len=60, bidirectional=bidirectional,
-                     **options)
-    bias = bias.double()
-    with torch.no_grad():
-        for p in bias.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    return bias, list(bias.parameters())
-
-
-def _run(backend, q, k, v, bias, params, **kwargs):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    for p in params:
-        p.grad = None
-    out, lse = relbias.attention(q, k, v, bias=bias, backend=backend, return_lse=True, **kwargs)
-    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
-    loss = (out * weights).sum() + 0.3 * torch.where(torch.isinf(lse), 0.0, lse).sum()
-    loss.backward()
-    grads = [q.grad, k.grad, v.grad] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    return [out.detach(), lse.detach()] + grads
 
 
 CASES = [  # (Lq, Lk, query_start, key_start, is_causal)
@@ -59,12 +33,12 @@ def test_float64_outputs_lse_and_every_gradient_match_the_reference(family, case
     monkeypatch.setattr(toeplitz, "TILE", tile)
     lq, lk, query_start, key_start, is_causal = case
     torch.manual_seed(lq + lk)
-    bias, params = _bias(family, bidirectional=not is_causal or family == "function")
+    bias, params = family_bias(family, bidirectional=not is_causal or family == "function")
     q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (lq, lk, lk))
     kwargs = dict(is_causal=is_causal, query_start=query_start, key_start=key_start)
     assert relbias.explain_backend(q, k, v, bias=bias, backend="toeplitz", **kwargs)[0] == "toeplitz"
-    got = _run("toeplitz", q, k, v, bias, params, **kwargs)
-    want = _run("reference", q, k, v, bias, params, **kwargs)
+    got = run_with_grads("toeplitz", q, k, v, bias, params, **kwargs)
+    want = run_with_grads("reference", q, k, v, bias, params, **kwargs)
     assert len(got) > 5 or family == "alibi"  # the bias gradient is compared (ALiBi has no parameter)
     for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias"], got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
@@ -73,15 +47,15 @@ def test_float64_outputs_lse_and_every_gradient_match_the_reference(family, case
 def test_one_bias_shared_by_every_head_broadcasts_and_gets_the_summed_gradient(monkeypatch):
     monkeypatch.setattr(toeplitz, "BLOCK_Q", 9)
     monkeypatch.setattr(toeplitz, "TILE", 6)
-    bias, params = _bias("function", bidirectional=True, num_heads=1)
+    bias, params = family_bias("function", bidirectional=True, num_heads=1)
     q, k, v = (torch.randn(B, H, 33, D, dtype=torch.float64) for _ in range(3))
-    got, want = _run("toeplitz", q, k, v, bias, params), _run("reference", q, k, v, bias, params)
+    got, want = run_with_grads("toeplitz", q, k, v, bias, params), run_with_grads("reference", q, k, v, bias, params)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 
 
 def test_float32_and_bfloat16_run_in_float32_and_return_the_input_dtype():
-    bias, _ = _bias("alibi", bidirectional=True)
+    bias, _ = family_bias("alibi", bidirectional=True)
     q, k, v = (torch.randn(1, H, 40, D) for _ in range(3))
     with torch.no_grad():
         want = relbias.attention(q.double(), k.double(), v.double(), bias=bias, backend="reference")
@@ -133,9 +107,9 @@ def test_inputs_stored_batch_length_heads_dim_get_every_gradient_of_the_referenc
     """(B, L, H, D) tensors transposed to (B, H, L, D), as a projection's output usually is: the tiled backward
     (with bias parameters) and the kernel's backward (ALiBi, none) both gather their rows from strided inputs."""
     torch.manual_seed(1)
-    bias, params = _bias(family, bidirectional=True)
+    bias, params = family_bias(family, bidirectional=True)
     q, k, v = (torch.randn(B, 40, H, D, dtype=torch.float64).transpose(1, 2) for _ in range(3))
-    got = _run("toeplitz", q, k, v, bias, params)
-    want = _run("reference", q, k, v, bias, params)
+    got = run_with_grads("toeplitz", q, k, v, bias, params)
+    want = run_with_grads("reference", q, k, v, bias, params)
     for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias"], got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")

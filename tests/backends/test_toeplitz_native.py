@@ -20,6 +20,8 @@ from relbias.backends._toeplitz_kernel import _forward_impl
 from relbias.backends._toeplitz_view import future_offsets, reversed_bias
 from relbias.biases import make_bias
 
+from ._toeplitz_cases import family_bias, run_with_grads
+
 B, H, D = 2, 3, 8
 
 pytestmark = pytest.mark.skipif(
@@ -77,29 +79,6 @@ def test_float64_native_equals_the_python_tiled_backward(case, blas):
         assert bool((got[0][:, :, :-delta] == 0).all())
 
 
-def _bias(name, *, bidirectional, num_heads=H):
-    if name == "function":  # a learnable function of the offset, shared by every head when num_heads is 1
-        weight = torch.nn.Parameter(torch.randn(num_heads, 1, dtype=torch.float64))
-        return relbias.FunctionBias(lambda o: torch.sin(weight * o.double() / 3) * weight, num_heads=num_heads,
-                                    bidirectional=bidirectional), [weight]
-    bias = make_bias(name, num_heads=num_heads, max_len=60, bidirectional=bidirectional).double()
-    with torch.no_grad():
-        for p in bias.parameters():
-            p.add_(0.5 * torch.randn_like(p))
-    return bias, list(bias.parameters())
-
-
-def _run(backend, q, k, v, bias, params, **kwargs):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    for p in params:
-        p.grad = None
-    out, lse = relbias.attention(q, k, v, bias=bias, backend=backend, return_lse=True, **kwargs)
-    weights = torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)
-    loss = (out * weights).sum() + 0.3 * torch.where(torch.isinf(lse), 0.0, lse).sum()  # an lse gradient
-    loss.backward()
-    return [out.detach(), lse.detach(), q.grad, k.grad, v.grad] + [p.grad for p in params]
-
-
 def _python_must_not_run(*args, **kwargs):
     raise AssertionError("the Python tiled_backward ran: the native kernel was expected")
 
@@ -125,11 +104,11 @@ def test_float64_attention_through_the_native_kernel_matches_the_reference(case,
     monkeypatch.setattr(_toeplitz_native, "tiled_backward", _python_must_not_run)
     lq, lk, query_start, key_start, is_causal, family, heads = case
     torch.manual_seed(lq + lk + tile)
-    bias, params = _bias(family, bidirectional=not is_causal or family == "function", num_heads=heads)
+    bias, params = family_bias(family, bidirectional=not is_causal or family == "function", num_heads=heads)
     q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (lq, lk, lk))
     kwargs = dict(is_causal=is_causal, query_start=query_start, key_start=key_start)
-    got = _run("toeplitz", q, k, v, bias, params, **kwargs)
-    want = _run("reference", q, k, v, bias, params, **kwargs)
+    got = run_with_grads("toeplitz", q, k, v, bias, params, **kwargs)
+    want = run_with_grads("reference", q, k, v, bias, params, **kwargs)
     for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias"], got, want):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}: {m}")
 
@@ -139,11 +118,11 @@ def test_float32_native_is_close_to_the_float64_reference(is_causal, monkeypatch
     monkeypatch.setattr(toeplitz, "TILE", 24)
     monkeypatch.setattr(_toeplitz_native, "tiled_backward", _python_must_not_run)
     torch.manual_seed(3)
-    bias, params = _bias("kerple_log", bidirectional=not is_causal)
+    bias, params = family_bias("kerple_log", bidirectional=not is_causal)
     q, k, v = (torch.randn(B, H, 70, D, dtype=torch.float64) for _ in range(3))
     bias32 = copy.deepcopy(bias).float()
-    want = _run("reference", q, k, v, bias, params, is_causal=is_causal)
-    got = _run("toeplitz", q.float(), k.float(), v.float(), bias32, list(bias32.parameters()), is_causal=is_causal)
+    want = run_with_grads("reference", q, k, v, bias, params, is_causal=is_causal)
+    got = run_with_grads("toeplitz", q.float(), k.float(), v.float(), bias32, list(bias32.parameters()), is_causal=is_causal)
     assert len(got) == len(want) > 5
     for name, g, w in zip(["out", "lse", "dq", "dk", "dv", "bias", "bias"], got, want):
         assert g.dtype == torch.float32
@@ -178,9 +157,9 @@ def fresh_warnings(monkeypatch):
 def _attention_grads(monkeypatch):
     monkeypatch.setattr(toeplitz, "TILE", 8)
     torch.manual_seed(5)
-    bias, params = _bias("kerple_log", bidirectional=False)
+    bias, params = family_bias("kerple_log", bidirectional=False)
     q, k, v = (torch.randn(B, H, 21, D, dtype=torch.float64) for _ in range(3))
-    return _run("toeplitz", q, k, v, bias, params, is_causal=True)
+    return run_with_grads("toeplitz", q, k, v, bias, params, is_causal=True)
 
 
 def test_relbias_native_0_falls_back_to_python_silently(monkeypatch, fresh_warnings):
@@ -307,7 +286,7 @@ def test_float64_native_forward_matches_the_reference(family, case, tiles, monke
             for p in bias.parameters():
                 p.add_(0.5 * torch.randn_like(p))
     else:
-        bias, _ = _bias(family, bidirectional=not is_causal or family == "function", num_heads=heads)
+        bias, _ = family_bias(family, bidirectional=not is_causal or family == "function", num_heads=heads)
     q, k, v = (torch.randn(B, H, n, D, dtype=torch.float64) for n in (lq, lk, lk))
     kwargs = dict(is_causal=is_causal, query_start=query_start, key_start=key_start, return_lse=True)
     assert relbias.explain_backend(q, k, v, bias=bias, backend="toeplitz", is_causal=is_causal,
@@ -327,7 +306,7 @@ def test_float32_native_forward_is_close_to_the_float64_reference(is_causal, mon
     monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_K", 40)
     monkeypatch.setattr(_toeplitz_kernel, "fused_forward", _flash_must_not_run)
     torch.manual_seed(3)
-    bias, _ = _bias("kerple_log", bidirectional=not is_causal)
+    bias, _ = family_bias("kerple_log", bidirectional=not is_causal)
     q, k, v = (torch.randn(B, H, 130, D, dtype=torch.float64) for _ in range(3))
     with torch.no_grad():
         want = relbias.attention(q, k, v, bias=bias, backend="reference", is_causal=is_causal, return_lse=True)
