@@ -43,3 +43,13 @@ def test_the_mask_is_made_4d_and_settings_are_resolved():
     call = make_call(q, q, q, mask=torch.ones(5, dtype=torch.bool))
     assert call.mask.shape == (1, 1, 1, 5) and call.key_padding.shape == (1, 1, 5)
     assert call.convention == "seed" and call.scale == 0.25 and call.bias_scale == 0.25 and call.delta == 0
+
+
+def test_the_finiteness_check_survives_a_sum_that_overflows_and_infinities_that_cancel():
+    """hidden_keys_finite sums the hidden keys first (no temporaries); a non-finite sum is checked exactly."""
+    q = torch.randn(1, 1, 2, 4)
+    k = torch.full((1, 1, 6, 4), 3e38)  # finite, but its sum overflows to inf
+    assert make_call(q, k, k.clone(), is_causal=True).hidden_keys_finite is True
+    v = torch.zeros(1, 1, 6, 4)
+    v[0, 0, 5, 0], v[0, 0, 5, 1] = float("inf"), float("-inf")  # a sum of NaN: exact scan says not finite
+    assert make_call(q, torch.zeros(1, 1, 6, 4), v, is_causal=True).hidden_keys_finite is False
