@@ -184,25 +184,16 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                           const c10::optional<at::Tensor>& grad_lse, const at::Tensor& w,
                                           double scale, int64_t delta, bool is_causal, int64_t tile, bool blas) {
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "toeplitz_backward: float32 or float64, got ", dtype);
-  check(q, "query", dtype, 4);
-  check(k, "key", dtype, 4);
-  check(v, "value", dtype, 4);
+  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward");
   check(dout, "grad_out", dtype, 4);
   check(out, "out", dtype, 4);
   check(lse, "lse", dtype, 3);
-  check(w, "w", dtype, 2);
   if (grad_lse.has_value()) check(*grad_lse, "grad_lse", dtype, 3);
-  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
-                  k.size(3) == q.size(3), "toeplitz_backward: query, key, value shapes disagree");
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == B && out.size(1) == H && out.size(2) == Lq &&
                   out.size(3) == v.size(3), "toeplitz_backward: grad_out and out must be (B, H, Lq, Dv)");
   TORCH_CHECK(lse.size(0) == B && lse.size(1) == H && lse.size(2) == Lq, "toeplitz_backward: lse must be (B, H, Lq)");
   if (grad_lse.has_value()) TORCH_CHECK(grad_lse->sizes() == lse.sizes(), "toeplitz_backward: grad_lse like lse");
-  TORCH_CHECK((w.size(0) == 1 || w.size(0) == H) && w.size(1) == Lq + Lk - 1,
-              "toeplitz_backward: w must be (1 or H, Lq + Lk - 1)");
   TORCH_CHECK(tile > 0, "toeplitz_backward: tile must be positive");
   const int64_t big = std::numeric_limits<int>::max();
   blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile < big;

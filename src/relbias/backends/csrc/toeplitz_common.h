@@ -118,6 +118,24 @@ inline void check(const at::Tensor& t, const char* name, at::ScalarType dtype, i
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The checks both entry points (fn, for the messages) make of q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
+// and w (1 or H, Lq + Lk - 1): one dtype, float32 or float64, CPU, contiguous, shapes that agree. Returns the dtype.
+inline at::ScalarType check_qkvw(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
+                                 const char* fn) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, fn, ": float32 or float64, got ", dtype);
+  check(q, "query", dtype, 4);
+  check(k, "key", dtype, 4);
+  check(v, "value", dtype, 4);
+  check(w, "w", dtype, 2);
+  const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
+                  k.size(3) == q.size(3), fn, ": query, key, value shapes disagree");
+  TORCH_CHECK((w.size(0) == 1 || w.size(0) == H) && w.size(1) == Lq + Lk - 1, fn,
+              ": w must be (1 or H, Lq + Lk - 1)");
+  return dtype;
+}
+
 }  // namespace relbias_toeplitz
 
 // Defined in toeplitz_forward.cpp; see there.

@@ -202,17 +202,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
                                          int64_t tile_q, int64_t tile_k, bool blas) {
-  const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, "toeplitz_forward: float32 or float64, got ", dtype);
-  check(q, "query", dtype, 4);
-  check(k, "key", dtype, 4);
-  check(v, "value", dtype, 4);
-  check(w, "w", dtype, 2);
+  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
-                  k.size(3) == q.size(3), "toeplitz_forward: query, key, value shapes disagree");
-  TORCH_CHECK((w.size(0) == 1 || w.size(0) == H) && w.size(1) == Lq + Lk - 1,
-              "toeplitz_forward: w must be (1 or H, Lq + Lk - 1)");
   TORCH_CHECK(tile_q > 0 && tile_k > 0, "toeplitz_forward: tiles must be positive");
   tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
   tile_k = std::min(tile_k, std::max<int64_t>(Lk, 1));
