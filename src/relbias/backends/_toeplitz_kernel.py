@@ -32,7 +32,7 @@ def _forward_impl(
     else PyTorch's CPU flash kernel per block of ``block_q`` query rows."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
-        tile_q, tile_k = _toeplitz_native.forward_tiles(block_q, tile)
+        tile_q, tile_k = _toeplitz_native.forward_tiles(block_q)
         native = _toeplitz_native.forward(
             query, key, value, w,
             {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k},
@@ -105,10 +105,14 @@ def part_backward(grad_out, query, key, value, values, out, lse, plan: dict):
     ``plan``, given the merged ``out`` and the merged (global) ``lse`` (compute dtype): the backward forms
     ``P = exp(s - lse)`` and ``D = dO . out`` from them, which is exactly this part's share, so nothing is
     recomputed. ``dvalues`` is empty unless ``values`` requires grad. Shapes as the custom ops'."""
-    settings = (float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
-                plan["tile"])
-    return _backward_impl(grad_out, None, query, key, value, values.detach(), out, lse, *settings,
+    return _backward_impl(grad_out, None, query, key, value, values.detach(), out, lse, *_settings(plan),
                           values.requires_grad)
+
+
+def _settings(plan: dict) -> tuple:
+    """The ops' settings from a plan, in their order: scale, bias_scale, delta, is_causal, block_q, tile."""
+    return (float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
+            plan["tile"])
 
 
 def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, scale, delta, is_causal, block_q):
@@ -175,9 +179,5 @@ _Eager = eager_function("ToeplitzEager", _forward_impl, _setup_context, _backwar
 def toeplitz_apply(query, key, value, values, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward (differentiable through the backward) with ``plan``'s settings: scale, bias_scale, delta,
     is_causal, block_q, tile; as the custom ops while torch.compile traces, else as plain functions."""
-    settings = (
-        float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
-        plan["tile"],
-    )
     apply = toeplitz_forward if torch.compiler.is_compiling() else _Eager.apply
-    return apply(query, key, value, values, *settings)
+    return apply(query, key, value, values, *_settings(plan))

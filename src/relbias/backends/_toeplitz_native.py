@@ -143,6 +143,26 @@ def _fall_back(reason: str, what: str = "backward runs in Python") -> None:
         warnings.warn(f"relbias: the toeplitz {what}, not the native kernel: {reason}", RuntimeWarning, stacklevel=3)
 
 
+def _runs(query: torch.Tensor, what: str) -> bool:
+    """Whether the native kernels take a call on ``query``'s dtype and device (CPU float32 / float64) and are built;
+    a failed build warns once that ``what`` (e.g. "backward runs in Python") instead. ``RELBIAS_NATIVE=0``: no
+    warning (asked for)."""
+    if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+        return False
+    reason = native_unavailable_reason()
+    if reason is not None and reason != _OPT_OUT:
+        _fall_back(reason, what)
+    return reason is None
+
+
+def _module(what: str):
+    """The built extension, for the native ``what`` ("forward", "backward"); RuntimeError where it is unavailable."""
+    module = load_native()
+    if module is None:
+        raise RuntimeError(f"the native toeplitz {what} is unavailable: {native_unavailable_reason()}")
+    return module
+
+
 def backward(
     do: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict,
@@ -157,13 +177,7 @@ def backward(
     Returns contiguous dq, dk, dv like the inputs and ``grad_w`` (Hb, Lq + Lk - 1) in the inputs' dtype (values at
     future offsets: unspecified, the caller zeroes them). Source: FlashAttention-2 backward (Dao 2023, Alg. 2).
     """
-    dtype = query.dtype
-    if dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
-        return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
-    reason = native_unavailable_reason()
-    if reason is not None:
-        if reason != _OPT_OUT:  # asked for: nothing to say
-            _fall_back(reason)
+    if not _runs(query, "backward runs in Python"):
         return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
     return native_backward(do, query, key, value, out, lse, grad_lse, w, plan)
 
@@ -172,9 +186,7 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     """:func:`backward` by the native kernel only (raises RuntimeError where it is unavailable). ``blas``: GEMMs
     through the BLAS that libtorch exports (MKL's sgemm_ / dgemm_) when present, else through at::addmm_out
     (False: always at::addmm_out; for tests)."""
-    module = load_native()
-    if module is None:
-        raise RuntimeError(f"the native toeplitz backward is unavailable: {native_unavailable_reason()}")
+    module = _module("backward")
     dtype = query.dtype
     tensors = [t.to(dtype).contiguous() for t in (do, query, key, value, out, lse)]
     grad_lse = None if grad_lse is None else grad_lse.to(dtype).contiguous()
@@ -185,10 +197,10 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     return dq, dk, dv, grad_w
 
 
-def forward_tiles(block_q: int, tile: int) -> tuple[int, int]:
+def forward_tiles(block_q: int) -> tuple[int, int]:
     """(query rows, keys) per tile of the native forward: :data:`FORWARD_TILE_Q` and :data:`FORWARD_TILE_K`, each
     capped by the call's ``block_q`` (the flash path's query rows per kernel call), so that small settings (tests)
-    give small tiles. ``tile`` (the backward's) is not used: the forward wants wider key tiles."""
+    give small tiles. The backward's ``tile`` plays no part: the forward wants wider key tiles."""
     cap = max(1, int(block_q))
     return min(cap, FORWARD_TILE_Q), min(cap, FORWARD_TILE_K)
 
@@ -205,15 +217,9 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
     Returns contiguous out (B, H, Lq, Dv) in the inputs' dtype and lse (B, H, Lq) in that dtype, -inf (out 0) for
     a query that sees no key. Source: FlashAttention-2 forward (Dao 2023, Alg. 1).
     """
-    dtype = query.dtype
-    if dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+    if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[2] == 0 or key.shape[2] == 0:
         return None
-    if key.dtype != dtype or value.dtype != dtype or query.shape[2] == 0 or key.shape[2] == 0:
-        return None
-    reason = native_unavailable_reason()
-    if reason is not None:
-        if reason != _OPT_OUT:
-            _fall_back(reason, "forward runs PyTorch's flash kernel per query block")
+    if not _runs(query, "forward runs PyTorch's flash kernel per query block"):
         return None
     return native_forward(query, key, value, w, plan)
 
@@ -221,9 +227,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
 def native_forward(query, key, value, w, plan, *, blas: bool = True):
     """:func:`forward` by the native kernel only (raises RuntimeError where it is unavailable); ``blas`` as in
     :func:`native_backward`."""
-    module = load_native()
-    if module is None:
-        raise RuntimeError(f"the native toeplitz forward is unavailable: {native_unavailable_reason()}")
+    module = _module("forward")
     dtype = query.dtype
     q, k, v = (t.to(dtype).contiguous() for t in (query, key, value))
     out, lse = module.toeplitz_forward(
