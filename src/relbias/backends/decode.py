@@ -20,6 +20,7 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ._cpu_flash import cpu_flash_reasons, fused_forward
 from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
+from ._toeplitz_view import reversed_bias
 from .base import Backend
 
 __all__ = ["MAX_QUERIES", "DecodeBackend", "decode_attention"]
@@ -58,18 +59,11 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
         return (pe.to(dtype) * call.bias_scale)[None]
     native = bias.native_for(a, call.query.device)
-    w = native.derive(("decode", dtype, call.bias_scale), lambda: _reversed(native.values, dtype, call.bias_scale))
+    # reversed and scaled as the toeplitz backend's (no causal -inf: decode masks with ``visible``)
+    w = native.derive(("decode", dtype, call.bias_scale),
+                      lambda: reversed_bias(native.values, dtype, call.bias_scale, False, call.delta, a.key_len))
     rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # rows[:, r, s] = w[:, r + s]
     return (rows if a.query_len == 1 else rows.flip(1))[None]
-
-
-def _reversed(values: torch.Tensor, dtype: torch.dtype, bias_scale: float) -> torch.Tensor:
-    """(Hb, M) contiguous in ``dtype``: ``values`` reversed along the offsets and scaled (a copy: decode refuses
-    calls that need gradients)."""
-    w = values.flip(-1).to(dtype)
-    if w.stride(-1) != 1:  # a family whose values are a strided view
-        w = w.contiguous()
-    return w.mul_(bias_scale) if bias_scale != 1.0 else w
 
 
 def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
