@@ -30,7 +30,7 @@ __all__ = ["Alignment", "resolve_alignment", "relative_offsets"]
 _INT64_MAX = 2**63 - 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Alignment:
     """Absolute positions of a block of queries against a block of keys.
 
@@ -52,6 +52,10 @@ class Alignment:
     key_len: int
     query_start: Position
     key_start: Position
+
+    def __init__(self, query_len: int, key_len: int, query_start: Position, key_start: Position):
+        # one dict update instead of a frozen dataclass's object.__setattr__ per field (built on every call)
+        self.__dict__.update(query_len=query_len, key_len=key_len, query_start=query_start, key_start=key_start)
 
     @property
     def min_offset(self) -> Position:
@@ -129,10 +133,12 @@ def resolve_alignment(
     """
     check_int("query_len", query_len, minimum=0)
     check_int("key_len", key_len, minimum=0)
-    key_start = _position("key_start", key_start)
+    if type(key_start) is not int:  # plain ints, the common case, need no conversion
+        key_start = _position("key_start", key_start)
     if query_start is None:
         query_start = key_start + key_len - query_len
-    query_start = _position("query_start", query_start)
+    elif type(query_start) is not int:
+        query_start = _position("query_start", query_start)
     alignment = Alignment(query_len, key_len, query_start, key_start)
     if isinstance(query_start, torch.Tensor) or isinstance(key_start, torch.Tensor):
         return alignment  # compiling: a tensor's value cannot be checked without reading it
