@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from .biases.base import CONVENTIONS, RelativeBias
 from .positions import Alignment, resolve_alignment
@@ -114,7 +113,7 @@ def check_finite_parameters(bias: RelativeBias, tensors: tuple[torch.Tensor, ...
     if torch.compiler.is_compiling():  # value checks read data: eager calls make them, compiled graphs do not
         return
     tensors = bias.state_tensors() if tensors is None else tensors
-    stamp = tuple((p.data_ptr(), p._version) for p in tensors if isinstance(p, nn.Parameter))
+    stamp = [(t.data_ptr(), t._version) for t in tensors]  # buffers too: a changed one only costs a re-check
     if bias.__dict__.get("_finite_stamp") == stamp:
         return
     for name, param in bias.named_parameters():
@@ -176,8 +175,9 @@ def check_call(
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     alignment = resolve_alignment(query_len, key.shape[2], query_start=query_start, key_start=key_start)
     check_bias(bias, query, target)
-    check_mask(mask, query, target)
-    if isinstance(bias, RelativeBias) and not bias.bidirectional:
+    if mask is not None:
+        check_mask(mask, query, target)
+    if not is_causal and isinstance(bias, RelativeBias) and not bias.bidirectional:
         _check_no_visible_future(mask, is_causal, alignment, query.device)
     return alignment
 

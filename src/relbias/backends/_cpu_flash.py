@@ -21,13 +21,13 @@ __all__ = ["cpu_flash_reasons", "fused_available", "fused_backward", "fused_forw
 def fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether a fused kernel with log-sum-exp in and out exists here; (ok, reason)."""
     if torch.compiler.is_compiling():  # dynamo traces through a cache (and warns): the plain function
-        return _fused_available.__wrapped__(device.type, dtype)
-    return _fused_available(device.type, dtype)
+        return _fused_available.__wrapped__(device, dtype)
+    return _fused_available(device, dtype)
 
 
 @functools.lru_cache(maxsize=None)
-def _fused_available(device_type: str, dtype: torch.dtype) -> tuple[bool, str]:
-    device = torch.device(device_type)  # the answer depends on the kind of device only (read once per kind)
+def _fused_available(device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
+    # the answer depends on the kind of device only; cached per device (hashing one is cheaper than reading its type)
     if device.type != "cpu":
         return False, (
             f"no fused kernel on {device.type} that both returns its log-sum-exp and accepts a given one in "

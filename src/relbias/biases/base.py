@@ -154,10 +154,8 @@ class RelativeBias(nn.Module):
         """The module's parameters, then its buffers (submodules' included), as ``parameters()`` and ``buffers()``
         list them; without submodules (every built-in family) read directly, a few µs cheaper per call."""
         if not self._modules:
-            return tuple(t for t in self._parameters.values() if t is not None) + tuple(
-                t for t in self._buffers.values() if t is not None
-            )
-        return tuple(self.parameters()) + tuple(self.buffers())
+            return tuple([t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None])
+        return (*self.parameters(), *self.buffers())
 
     def _device(self) -> torch.device:
         for tensor in self.state_tensors():
@@ -220,8 +218,9 @@ class RelativeBias(nn.Module):
         tensors = self.state_tensors()
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return None
-        stamp = tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
-        return alignment, torch.device(device), torch.is_inference_mode_enabled(), stamp
+        stamp = [(t.data_ptr(), t._version, t.dtype) for t in tensors]
+        device = device if isinstance(device, torch.device) else torch.device(device)
+        return alignment, device, torch.is_inference_mode_enabled(), stamp
 
     def forward(
         self, query_len: int, key_len: int, *, query_start: int | None = None, key_start: int = 0
