@@ -61,3 +61,34 @@ def test_decode_reads_no_key_to_validate_when_nothing_is_hidden(monkeypatch):
     with torch.no_grad():
         relbias.attention(q, k, k, bias=relbias.ALiBiBias(2), is_causal=True, backend="decode")
     assert all(4096 not in shape for shape in calls), calls
+
+
+@pytest.mark.parametrize("path", ["native", "sdpa", "strided"])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("lq, lk, query_start, is_causal", [(1, 300, None, True), (5, 260, 100, True),
+                                                           (3, 200, 20, False)])
+@pytest.mark.parametrize("family", ["t5", "alibi", "kerple_log"])
+def test_decode_kernel_paths_equal_the_reference(monkeypatch, family, lq, lk, query_start, is_causal, return_lse, path):
+    """Each kernel decode runs: relbias' native toeplitz forward (contiguous inputs, no mask), SDPA with the bias rows
+    as its mask where the native kernels are off (RELBIAS_NATIVE=0), and SDPA for a key and value that are views
+    of a longer buffer (a static cache: not copied); with and without the lse."""
+    from relbias.backends import decode
+    from relbias.call import make_call
+
+    if path == "sdpa":
+        monkeypatch.setenv("RELBIAS_NATIVE", "0")
+    bias = build_bias(family, num_heads=2, bidirectional=not is_causal, max_len=512)
+    q = torch.randn(2, 2, lq, 16)
+    if path == "strided":
+        buffer = torch.randn(2, 2, 2, lk + 7, 16)
+        k, v = buffer[0, :, :, :lk], buffer[1, :, :, :lk]
+    else:
+        k, v = torch.randn(2, 2, lk, 16), torch.randn(2, 2, lk, 16)
+    kwargs = dict(bias=bias, is_causal=is_causal, query_start=query_start)
+    with torch.no_grad():
+        native = decode._native_forward(make_call(q, k, v, **kwargs))
+        assert (native is not None) == (path == "native" and decode._toeplitz_native.load_native() is not None)
+        got = relbias.attention(q, k, v, backend="decode", return_lse=return_lse, **kwargs)
+        want = relbias.attention(q, k, v, backend="reference", return_lse=return_lse, **kwargs)
+    for g, w in zip(got, want) if return_lse else [(got, want)]:
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

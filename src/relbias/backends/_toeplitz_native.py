@@ -43,8 +43,8 @@ import torch
 from ._toeplitz_backward import tiled_backward
 
 __all__ = [
-    "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "native_backward",
-    "native_forward", "native_unavailable_reason",
+    "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
+    "native_backward", "native_forward", "native_unavailable_reason",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -153,6 +153,15 @@ def _runs(query: torch.Tensor, what: str) -> bool:
     if reason is not None and reason != _OPT_OUT:
         _fall_back(reason, what)
     return reason is None
+
+
+def loaded_native(query: torch.Tensor):
+    """The built extension module when the native kernels take calls on ``query``'s dtype and device (CPU float32 /
+    float64), else None, without a warning (the caller has another path as fast as the fallbacks); the first call
+    builds or loads it."""
+    if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+        return None
+    return load_native()
 
 
 def _module(what: str):

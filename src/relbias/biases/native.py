@@ -32,8 +32,9 @@ class NativeBias:
     #: came from: a reused native form (:meth:`relbias.RelativeBias.native` outside autograd) reuses them too.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def derive(self, key: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``make()``, computed once per ``key`` (hashable) for these values; callers must not modify it."""
+    def derive(self, key: object, make: Callable[[], object]) -> object:
+        """``make()`` (a tensor, or a tuple holding tensors), computed once per ``key`` (hashable) for these values;
+        callers must not modify it."""
         tensor = self.derived.get(key)
         if tensor is None:
             tensor = self.derived[key] = make()
