@@ -1,15 +1,20 @@
 """The decode backend: a few queries against many keys (a decoding step, a short chunk), at the speed of
 bias-free fused attention.
 
-With Lq <= :data:`MAX_QUERIES`, the bias of the whole block is only (H, Lq, Lk): it is looked up from the bias
-module (its native per-offset vector for offset-only families) and added, with the causal and user masks, to one
-additive ``attn_mask`` of PyTorch's CPU flash-attention kernel, which returns the log-sum-exp as well. Nothing of
-K or V is copied or scanned (only keys some query cannot see are checked for NaN/inf, see
+With Lq <= :data:`MAX_QUERIES`, the bias of the whole block is only (H, Lq, Lk). Two kernels run it:
+
+* an offset-only bias, no mask, contiguous inputs, where relbias' native kernels are built: the toeplitz backend's
+  fused forward (``csrc/toeplitz_forward.cpp``), which reads the bias straight from the reversed per-offset vector;
+* otherwise the bias looked up from the bias module (the native per-offset vector reversed, as a view, for
+  offset-only families) and added, with the causal and user masks, to one additive ``attn_mask`` of PyTorch's CPU
+  flash-attention kernel (through SDPA's binding, or the raw op when the log-sum-exp is asked for).
+
+Nothing of K or V is copied or scanned (only keys some query cannot see are checked for NaN/inf, see
 :attr:`relbias.call.AttentionCall.hidden_keys_finite`); a query with no visible key gets output 0 and lse -inf.
 
-Inference only (the kernel gives no gradient for ``attn_mask``, so none for the bias); float32 and float64
-(half-precision masks would round the bias). Source: split-KV decoding (Dao et al. 2023, Flash-Decoding) with the
-bias as an additive mask, as Hugging Face's T5 decoder does with a materialised bias row.
+Inference only (neither kernel gives a gradient for the bias here); float32 and float64 (half-precision masks would
+round the bias). Source: split-KV decoding (Dao et al. 2023, Flash-Decoding) with the bias as an additive mask, as
+Hugging Face's T5 decoder does with a materialised bias row.
 """
 
 from __future__ import annotations
