@@ -114,7 +114,9 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
                     acc += g
         if grads_pending is not None:  # what the ranks before this one added for this block
             dk_in, dv_in = grads_pending.wait()
-            dk, dv = dk_in + dk, dv_in + dv
+            dk += dk_in  # in place (the sum in the other order is the same floats): no third pair of buffers
+            dv += dv_in
+            del dk_in, dv_in
         if channel is not None:
             grads_pending = channel.start([dk, dv], _GRAD_TAG)
         if pending is not None:
