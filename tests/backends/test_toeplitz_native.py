@@ -138,15 +138,45 @@ def test_float32_results_are_bit_identical_across_runs(hb):
         assert torch.equal(a, b)
 
 
-def test_non_contiguous_inputs_give_contiguous_gradients_like_the_fake_kernel():
+def _strided(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` (equal values) in another memory layout: "transposed" as a (B, L, H, D) projection's transpose, "slice" a
+    piece along L of a longer tensor, "padded" rows 3 entries longer than D; a (B, H, L) tensor: a slice along L."""
+    if t.dim() == 3:
+        return torch.cat([t, torch.zeros_like(t)], dim=2)[:, :, : t.shape[2]]
+    if layout == "transposed":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    if layout == "slice":
+        return torch.cat([torch.zeros_like(t[:, :, :3]), t, torch.zeros_like(t)], dim=2)[:, :, 3 : 3 + t.shape[2]]
+    return torch.cat([t, torch.zeros_like(t[..., :3])], dim=-1)[..., : t.shape[-1]]  # padded
+
+
+LAYOUTS = ["transposed", "slice", "padded"]
+
+
+@pytest.mark.parametrize("blas", [True, False], ids=["blas", "addmm"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_non_contiguous_inputs_are_read_in_place_and_give_contiguous_gradients(layout, blas):
     args, plan = _inputs(20, 20, H, 0, True, torch.float64, tile=8)
-    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() == 4 else t for t in args]
-    assert not strided[1].is_contiguous()
-    got = _toeplitz_native.backward(*strided, plan)
-    want = _toeplitz_native.backward(*args, plan)
+    strided = [t if t is None or t.dim() == 2 else _strided(t, layout) for t in args]
+    assert not strided[1].is_contiguous() and not strided[5].is_contiguous()
+    assert all(_toeplitz_native.rows_layout(t) is t for t in strided[:5])  # no copy
+    got = _toeplitz_native.native_backward(*strided, plan, blas=blas)
+    want = _toeplitz_native.native_backward(*args, plan, blas=blas)
     for g, w in zip(got, want):
         assert g.is_contiguous() and g.shape == w.shape
         assert torch.equal(g, w)
+
+
+def test_rows_closer_than_head_dim_are_copied():
+    row = torch.randn(B, H, 1, D, dtype=torch.float64)
+    broadcast = row.expand(B, H, 9, D)  # stride 0 along L: one row read 9 times
+    copied = _toeplitz_native.rows_layout(broadcast)
+    assert copied is not broadcast and copied.is_contiguous() and torch.equal(copied, broadcast)
+    w = torch.randn(H, 17, dtype=torch.float64)
+    plan = {"scale": 0.3, "delta": 0, "is_causal": False, "tile_q": 4, "tile_k": 4}
+    got = _toeplitz_native.native_forward(row.expand(B, H, 9, D), broadcast, broadcast, w, plan)
+    want = _toeplitz_native.native_forward(*(broadcast.contiguous() for _ in range(3)), w, plan)
+    assert all(torch.equal(g, x) for g, x in zip(got, want))
 
 
 @pytest.fixture
@@ -331,12 +361,14 @@ def test_native_forward_results_are_bit_identical_across_runs(hb, is_causal, thr
             assert torch.equal(a, b)
 
 
-def test_native_forward_takes_non_contiguous_inputs():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_native_forward_takes_non_contiguous_inputs(layout):
     q, k, v, values = _forward_inputs(20, 20, H, 0, True, torch.float64)
     w = reversed_bias(values, torch.float64, 1.0, True, 0, 20)
     plan = {"scale": D ** -0.5, "delta": 0, "is_causal": True, "tile_q": 8, "tile_k": 8}
-    strided = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v)]
+    strided = [_strided(t, layout) for t in (q, k, v)]
     assert not strided[0].is_contiguous()
+    assert all(_toeplitz_native.rows_layout(t) is t for t in strided)  # no copy
     got = _toeplitz_native.forward(*strided, w, plan)
     want = _toeplitz_native.forward(q, k, v, w, plan)
     for g, x in zip(got, want):

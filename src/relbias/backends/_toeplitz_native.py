@@ -44,7 +44,8 @@ from ._toeplitz_backward import tiled_backward
 
 __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
-    "native_backward", "native_forward", "native_unavailable_reason",
+    "native_backward", "native_forward", "native_unavailable_reason", "read_in_place",
+    "rows_layout",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -172,6 +173,20 @@ def _module(what: str):
     return module
 
 
+def read_in_place(tensor: torch.Tensor) -> bool:
+    """Whether the native kernels read the (B, H, L, D) ``tensor`` without a copy: its last dimension has unit stride
+    and its rows lie at least D apart (a slice along L, the transpose of a (B, L, H, D) projection, a static cache's
+    view, a broadcast batch or head; not a length broadcast, whose rows are 0 apart)."""
+    _, _, length, dim = tensor.shape
+    return (dim <= 1 or tensor.stride(3) == 1) and (length <= 1 or tensor.stride(2) >= dim)
+
+
+def rows_layout(tensor: torch.Tensor) -> torch.Tensor:
+    """A (B, H, L, D) ``tensor`` as the native kernels read it: itself where :func:`read_in_place`, else a contiguous
+    copy."""
+    return tensor if read_in_place(tensor) else tensor.contiguous()
+
+
 def backward(
     do: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict,
@@ -180,7 +195,7 @@ def backward(
     it is unavailable (a failed build warns once); arguments and results as ``tiled_backward``'s.
 
     Shapes: ``do``, ``query``, ``out`` (B, H, Lq, D) and ``key``, ``value`` (B, H, Lk, D), float32 or float64 on
-    CPU (any strides: copied contiguous); ``lse`` (B, H, Lq) float32 / float64, -inf for a query that sees no key;
+    CPU (any strides: read in place where :func:`rows_layout` allows, else copied); ``lse`` (B, H, Lq) float32 / float64, -inf for a query that sees no key;
     ``grad_lse`` None or like ``lse``; ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a
     causal call's future offsets). ``plan``: scale, delta, is_causal, tile (rows and keys per tile, tokens).
     Returns contiguous dq, dk, dv like the inputs and ``grad_w`` (Hb, Lq + Lk - 1) in the inputs' dtype (values at
@@ -197,8 +212,8 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     (False: always at::addmm_out; for tests)."""
     module = _module("backward")
     dtype = query.dtype
-    tensors = [t.to(dtype).contiguous() for t in (do, query, key, value, out, lse)]
-    grad_lse = None if grad_lse is None else grad_lse.to(dtype).contiguous()
+    tensors = [rows_layout(t.to(dtype)) for t in (do, query, key, value, out)] + [lse.to(dtype)]
+    grad_lse = None if grad_lse is None else grad_lse.to(dtype)
     dq, dk, dv, grad_w = module.toeplitz_backward(
         *tensors, grad_lse, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]),
         bool(plan["is_causal"]), int(plan["tile"]), blas,
@@ -221,7 +236,7 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
     CPU flash kernel per query block.
 
     Shapes: ``query`` (B, H, Lq, D), ``key`` (B, H, Lk, D), ``value`` (B, H, Lk, Dv), one dtype, any strides
-    (copied contiguous where not); ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a causal
+    (read in place where :func:`rows_layout` allows, else copied); ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a causal
     call's future offsets). ``plan``: scale, delta, is_causal, tile_q, tile_k (query rows and keys per tile).
     Returns contiguous out (B, H, Lq, Dv) in the inputs' dtype and lse (B, H, Lq) in that dtype, -inf (out 0) for
     a query that sees no key. Source: FlashAttention-2 forward (Dao 2023, Alg. 1).
@@ -238,7 +253,7 @@ def native_forward(query, key, value, w, plan, *, blas: bool = True):
     :func:`native_backward`."""
     module = _module("forward")
     dtype = query.dtype
-    q, k, v = (t.to(dtype).contiguous() for t in (query, key, value))
+    q, k, v = (rows_layout(t.to(dtype)) for t in (query, key, value))
     out, lse = module.toeplitz_forward(
         q, k, v, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]), bool(plan["is_causal"]),
         int(plan["tile_q"]), int(plan["tile_k"]), blas,

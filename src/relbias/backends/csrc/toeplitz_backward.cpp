@@ -55,13 +55,11 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   const T floor = static_cast<T>(kExpFloor), ceiling = exp_ceiling<T>();
   const T neg_inf = -std::numeric_limits<T>::infinity();
 
-  const T* do_p = dout.data_ptr<T>();
-  const T* q_p = q.data_ptr<T>();
-  const T* k_p = k.data_ptr<T>();
-  const T* v_p = v.data_ptr<T>();
-  const T* o_p = out.data_ptr<T>();
-  const T* lse_p = lse.data_ptr<T>();
-  const T* glse_p = grad_lse.has_value() ? grad_lse->data_ptr<T>() : nullptr;
+  const Rows<T> do_rows(dout), q_rows(q), k_rows(k), v_rows(v), o_rows(out);  // read in place, any batch/head/row strides
+  const int64_t do_ld = do_rows.ld, q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld, o_ld = o_rows.ld;
+  const Entries<T> lse_at(lse);
+  const c10::optional<Entries<T>> glse_at = grad_lse.has_value() ? c10::optional<Entries<T>>(Entries<T>(*grad_lse))
+                                                                   : c10::nullopt;
   const T* w_p = w.data_ptr<T>();
   T* dq_p = dq.data_ptr<T>();
   T* dk_p = dk.data_ptr<T>();
@@ -80,11 +78,11 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
       const int64_t hb = Hb == 1 ? 0 : bh % H;
       const T* wr = w_p + hb * M;
       T* gr = rows_p + bh * M;  // the sum of the kSpread rows of acc, once the task's tiles are done
-      const T* qb = q_p + bh * Lq * Dk;
-      const T* dob = do_p + bh * Lq * Dv;
-      const T* ob = o_p + bh * Lq * Dv;
-      const T* kb = k_p + bh * Lk * Dk;
-      const T* vb = v_p + bh * Lk * Dv;
+      const T* qb = q_rows(bh);
+      const T* dob = do_rows(bh);
+      const T* ob = o_rows(bh);
+      const T* kb = k_rows(bh);
+      const T* vb = v_rows(bh);
       T* dqb = dq_p + bh * Lq * Dk;
       T* dkb = dk_p + bh * Lk * Dk;
       T* dvb = dv_p + bh * Lk * Dv;
@@ -95,25 +93,25 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
         bool any_row = false;
         for (int64_t a = 0; a < bq; ++a) {  // D_i = dO_i . O_i - grad_lse_i; lse -inf: the row sees no key
           const int64_t i = i0 + a;
-          const T l = lse_p[bh * Lq + i];
+          const T l = lse_at(bh, i);
           row_lse[a] = l;
           if (l == neg_inf) continue;
           any_row = true;
-          const T* dor = dob + i * Dv;
-          const T* orow = ob + i * Dv;
+          const T* dor = dob + i * do_ld;
+          const T* orow = ob + i * o_ld;
           T dot = 0;
           for (int64_t d = 0; d < Dv; ++d) dot += dor[d] * orow[d];
-          row_d[a] = glse_p ? dot - glse_p[bh * Lq + i] : dot;
+          row_d[a] = glse_at ? dot - (*glse_at)(bh, i) : dot;
         }
         if (!any_row) continue;
-        const T* qt = qb + i0 * Dk;
-        const T* dot_ = dob + i0 * Dv;
+        const T* qt = qb + i0 * q_ld;
+        const T* dot_ = dob + i0 * do_ld;
         for (int64_t k0 = 0; k0 < kend; k0 += tile) {
           const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
-          const T* kt = kb + k0 * Dk;
-          const T* vt = vb + k0 * Dv;
-          gemm<T>(false, true, bq, bk, Dk, scale, qt, Dk, kt, Dk, T(0), S, tile, blas);
-          gemm<T>(false, true, bq, bk, Dv, T(1), dot_, Dv, vt, Dv, T(0), dP, tile, blas);
+          const T* kt = kb + k0 * k_ld;
+          const T* vt = vb + k0 * v_ld;
+          gemm<T>(false, true, bq, bk, Dk, scale, qt, q_ld, kt, k_ld, T(0), S, tile, blas);
+          gemm<T>(false, true, bq, bk, Dv, T(1), dot_, do_ld, vt, v_ld, T(0), dP, tile, blas);
           for (int64_t a = 0; a < bq; ++a) {
             const int64_t i = i0 + a;
             T* __restrict__ srow = S + a * tile;
@@ -142,9 +140,9 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
               prow[j] = T(0);
             }
           }
-          gemm<T>(true, false, bk, Dv, bq, T(1), S, tile, dot_, Dv, T(1), dvb + k0 * Dv, Dv, blas);
-          gemm<T>(false, false, bq, Dk, bk, scale, dP, tile, kt, Dk, T(1), dqb + i0 * Dk, Dk, blas);
-          gemm<T>(true, false, bk, Dk, bq, scale, dP, tile, qt, Dk, T(1), dkb + k0 * Dk, Dk, blas);
+          gemm<T>(true, false, bk, Dv, bq, T(1), S, tile, dot_, do_ld, T(1), dvb + k0 * Dv, Dv, blas);
+          gemm<T>(false, false, bq, Dk, bk, scale, dP, tile, kt, k_ld, T(1), dqb + i0 * Dk, Dk, blas);
+          gemm<T>(true, false, bk, Dk, bq, scale, dP, tile, qt, q_ld, T(1), dkb + k0 * Dk, Dk, blas);
         }
       }
       for (int64_t r = 0; r < kSpread; ++r) {  // fixed order; acc zeroed for the next (b, h)
@@ -177,18 +175,19 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 }  // namespace
 
 // (dq, dk, dv, grad_w) for the toeplitz forward; see the file's head. Shapes: dout, q, out (B, H, Lq, D·);
-// k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; all contiguous CPU tensors
-// of one dtype, float32 or float64. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
+// k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; CPU tensors of one dtype,
+// float32 or float64: dout, q, k, v, out with unit stride along D (other strides read in place), lse and grad_lse any
+// strides, w contiguous. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
 // (when present) instead of at::addmm_out.
 std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                           const c10::optional<at::Tensor>& grad_lse, const at::Tensor& w,
                                           double scale, int64_t delta, bool is_causal, int64_t tile, bool blas) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward");
-  check(dout, "grad_out", dtype, 4);
-  check(out, "out", dtype, 4);
-  check(lse, "lse", dtype, 3);
-  if (grad_lse.has_value()) check(*grad_lse, "grad_lse", dtype, 3);
+  check(dout, "grad_out", dtype, 4, Layout::kRows);
+  check(out, "out", dtype, 4, Layout::kRows);
+  check(lse, "lse", dtype, 3, Layout::kAny);
+  if (grad_lse.has_value()) check(*grad_lse, "grad_lse", dtype, 3, Layout::kAny);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == B && out.size(1) == H && out.size(2) == Lq &&
                   out.size(3) == v.size(3), "toeplitz_backward: grad_out and out must be (B, H, Lq, Dv)");
@@ -197,7 +196,10 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
   TORCH_CHECK(tile > 0, "toeplitz_backward: tile must be positive");
   const int64_t big = std::numeric_limits<int>::max();
   blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile < big;
-  at::Tensor dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v), grad_w = at::empty_like(w);
+  for (const at::Tensor* t : {&dout, &q, &k, &v, &out}) blas = blas && t->stride(2) < big;  // int leading dimensions
+  // contiguous whatever the inputs' strides (zeros_like keeps a permuted input's strides; the indexing below does not)
+  at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
+  at::Tensor dv = at::zeros(v.sizes(), v.options()), grad_w = at::empty_like(w);
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_backward", [&] {
     backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, scale, delta, is_causal, tile, blas, dq, dk,
                               dv, grad_w);

@@ -4,6 +4,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -111,22 +112,56 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, 
 // Whether the exported BLAS has the GEMM for this dtype.
 inline bool have_blas(at::ScalarType dtype) { return dtype == at::kFloat ? sgemm_ != nullptr : dgemm_ != nullptr; }
 
-inline void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim) {
+// The strides the kernels read a tensor with: kContiguous (w), kRows (a (B, H, L, D) input: unit stride along D, rows
+// at least D apart, any batch and head strides), kAny (lse, grad_lse: (B, H, L)).
+enum class Layout { kContiguous, kRows, kAny };
+
+inline bool rows_layout(const at::Tensor& t) {
+  return (t.size(3) <= 1 || t.stride(3) == 1) && (t.size(2) <= 1 || t.stride(2) >= t.size(3));
+}
+
+inline void check(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                  Layout layout = Layout::kContiguous) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  if (layout == Layout::kContiguous) TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  if (layout == Layout::kRows)
+    TORCH_CHECK(rows_layout(t), name, " must have unit stride along its last dimension and rows at least that long apart");
 }
 
+// Rows of a (B, H, L, D) tensor in the kRows layout: element (b, h, i, d) at (*this)(b * H + h) + i * ld + d. A slice
+// along L, the transpose of a (B, L, H, D) projection and a broadcast batch or head are read in place, not copied.
+template <typename T>
+struct Rows {
+  const T* p;
+  int64_t s0, s1, heads, ld;
+  explicit Rows(const at::Tensor& t)
+      : p(t.data_ptr<T>()), s0(t.stride(0)), s1(t.stride(1)), heads(t.size(1)),
+        ld(t.size(2) > 1 ? t.stride(2) : std::max<int64_t>(t.size(3), 1)) {}  // BLAS wants ld >= D even for one row
+  const T* operator()(int64_t bh) const { return p + (bh / heads) * s0 + (bh % heads) * s1; }
+};
+
+// Entries of a (B, H, L) tensor with any strides: entry (b, h, i) at (*this)(b * H + h, i).
+template <typename T>
+struct Entries {
+  const T* p;
+  int64_t s0, s1, s2, heads;
+  explicit Entries(const at::Tensor& t)
+      : p(t.data_ptr<T>()), s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), heads(t.size(1)) {}
+  T operator()(int64_t bh, int64_t i) const { return p[(bh / heads) * s0 + (bh % heads) * s1 + i * s2]; }
+};
+
 // The checks both entry points (fn, for the messages) make of q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
-// and w (1 or H, Lq + Lk - 1): one dtype, float32 or float64, CPU, contiguous, shapes that agree. Returns the dtype.
+// and w (1 or H, Lq + Lk - 1): one dtype, float32 or float64, CPU, q, k, v in the kRows layout and w contiguous, shapes
+// that agree. Returns the dtype.
 inline at::ScalarType check_qkvw(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
                                  const char* fn) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, fn, ": float32 or float64, got ", dtype);
-  check(q, "query", dtype, 4);
-  check(k, "key", dtype, 4);
-  check(v, "value", dtype, 4);
+  check(q, "query", dtype, 4, Layout::kRows);
+  check(k, "key", dtype, 4, Layout::kRows);
+  check(v, "value", dtype, 4, Layout::kRows);
   check(w, "w", dtype, 2);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&

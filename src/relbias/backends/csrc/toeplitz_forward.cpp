@@ -117,9 +117,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const T scale = static_cast<T>(scale_d);
   const T neg_inf = -std::numeric_limits<T>::infinity();
 
-  const T* q_p = q.data_ptr<T>();
-  const T* k_p = k.data_ptr<T>();
-  const T* v_p = v.data_ptr<T>();
+  const Rows<T> q_rows(q), k_rows(k), v_rows(v);
+  const int64_t q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld;
   const T* w_p = w.data_ptr<T>();
   T* o_p = out.data_ptr<T>();
   T* lse_p = lse.data_ptr<T>();
@@ -139,9 +138,9 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t i0 = qt * tile_q, i1 = std::min(Lq, i0 + tile_q), bq = i1 - i0;
       const int64_t hb = Hb == 1 ? 0 : bh % H;
       const T* wr = w_p + hb * M;
-      const T* qb = q_p + (bh * Lq + i0) * Dk;
-      const T* kb = k_p + bh * Lk * Dk;
-      const T* vb = v_p + bh * Lk * Dv;
+      const T* qb = q_rows(bh) + i0 * q_ld;
+      const T* kb = k_rows(bh);
+      const T* vb = v_rows(bh);
       T* ob = o_p + (bh * Lq + i0) * Dv;  // the tile's output rows: O, unnormalised until the end
       T* lb = lse_p + bh * Lq + i0;
       std::fill(ob, ob + bq * Dv, T(0));
@@ -150,7 +149,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
       for (int64_t k0 = 0; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
-        gemm<T>(false, true, bq, bk, Dk, scale, qb, Dk, kb + k0 * Dk, Dk, T(0), S, tile_k, blas);
+        gemm<T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, tile_k, blas);
         for (int64_t a = 0; a < bq; ++a) {
           const int64_t i = i0 + a;
           T* __restrict__ srow = S + a * tile_k;
@@ -174,7 +173,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        gemm<T>(false, false, bq, Dv, bk, T(1), S, tile_k, vb + k0 * Dv, Dv, T(1), ob, Dv, blas);
+        gemm<T>(false, false, bq, Dv, bk, T(1), S, tile_k, vb + k0 * v_ld, v_ld, T(1), ob, Dv, blas);
       }
       for (int64_t a = 0; a < bq; ++a) {
         T* __restrict__ orow = ob + a * Dv;
@@ -195,7 +194,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 
 // (out, lse) of the toeplitz attention; see the file's head. Shapes: q (B, H, Lq, Dk); k (B, H, Lk, Dk); v
 // (B, H, Lk, Dv); w (Hb, Lq + Lk - 1) with Hb 1 or H, the reversed scaled bias (-inf at a causal call's future
-// offsets); all contiguous CPU tensors of one dtype, float32 or float64. delta: key s is visible to query t when
+// offsets); CPU tensors of one dtype, float32 or float64, q, k, v with unit stride along D (any other strides: read
+// in place), w contiguous. delta: key s is visible to query t when
 // s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
 // (B, H, Lq), contiguous, in that dtype. blas: call the exported BLAS directly (when present) instead of
 // at::addmm_out.
@@ -208,7 +208,8 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
   tile_k = std::min(tile_k, std::max<int64_t>(Lk, 1));
   const int64_t big = std::numeric_limits<int>::max();
-  blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile_k < big;
+  blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile_k < big && q.stride(2) < big &&
+         k.stride(2) < big && v.stride(2) < big;  // BLAS takes int leading dimensions
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
