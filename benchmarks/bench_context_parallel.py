@@ -3,10 +3,12 @@
 What it measures, per (P, L): one self-attention call ``context_parallel_attention`` on (B, H, L/P, D) shards with
 a T5 bias (32 buckets, max_distance 128), forward plus backward (gradients of q, k, v and the bias table):
 
-* per-rank peak memory: CPU (gloo): the rank process's peak resident set during the timed steps above its
-  resident set before them (``VmHWM`` after ``echo 5 > /proc/self/clear_refs``), MiB, with glibc's mmap threshold
-  fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors leave the resident set; CUDA (nccl):
-  ``torch.cuda.max_memory_allocated`` above the allocation before, MiB. The largest over ranks is reported.
+* per-rank peak memory: inputs (this rank's q, k, v and output gradient) plus what the call adds (its output, the
+  gradients, every temporary). CPU (gloo): the rank process's peak resident set during the timed steps
+  (``VmHWM`` after ``echo 5 > /proc/self/clear_refs``) above its resident set after imports and the process group,
+  before any input, MiB, with glibc's mmap threshold fixed at 64 KiB (``MALLOC_MMAP_THRESHOLD_``) so that freed
+  tensors leave the resident set; CUDA (nccl):
+  ``torch.cuda.max_memory_allocated``, MiB. The largest over ranks is reported.
 * time: wall-clock time of one forward+backward (median of ``--repeats`` after one warm-up), ms, the slowest
   rank; and the process CPU time of each rank summed over ranks (the "compute summed over ranks" figure; on a
   machine with fewer cores than ranks, wall time mostly measures the oversubscription).
@@ -71,6 +73,7 @@ def measure_rank(spec: dict) -> dict:
     from relbias.distributed import RingStats, context_parallel_attention
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    baseline = _status_kib("VmRSS") * 1024  # after imports and the process group, before any input exists
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if spec["backend"] == "nccl" else torch.device("cpu")
     b, h, d, length = spec["batch"], spec["heads"], spec["head_dim"], spec["length"]
     gen = torch.Generator().manual_seed(0)
@@ -85,9 +88,11 @@ def measure_rank(spec: dict) -> dict:
     grad = torch.randn(b, h, local, d, generator=gen).to(device)
     stats = RingStats()
 
-    def step(count: bool) -> None:
+    def clear() -> None:  # the gradients of a step, freed before the next (else "before" would hold them)
         for t in (q, k, v, *bias.parameters()):
             t.grad = None
+
+    def step(count: bool) -> None:
         if spec.get("single"):  # the single-device call itself, for comparison
             out = relbias.attention(q, k, v, bias=bias, is_causal=spec["causal"])
         else:
@@ -101,13 +106,14 @@ def measure_rank(spec: dict) -> dict:
 
     dist.barrier()
     step(True)  # warm-up; counts the blocks of one call
+    clear()
     dist.barrier()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        before = 0  # allocated memory counts tensors only: inputs included
     else:
         peak_ok = _reset_peak()
-        before = _status_kib("VmRSS") * 1024
+        before = baseline
     walls, cpus = [], []
     for _ in range(spec["repeats"]):
         dist.barrier()
@@ -115,6 +121,7 @@ def measure_rank(spec: dict) -> dict:
         step(False)
         walls.append((time.perf_counter() - w0) * 1e3)
         cpus.append((time.process_time() - c0) * 1e3)
+        clear()
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - before
     else:
