@@ -27,14 +27,23 @@ def _bias(name):
     return relbias.ALiBiBias(4, bidirectional=True)
 
 
+def _keys(mask, start):
+    return None if mask is None else mask[..., start : start + PIECE]
+
+
 @pytest.mark.filterwarnings("ignore:.*used with is_causal=True")
+@pytest.mark.parametrize("kernels", ["native", "flash"])  # a far block's backward: relbias' kernel or PyTorch's
+@pytest.mark.parametrize("padded", [True, False])
 @pytest.mark.parametrize("is_causal", [False, True])
 @pytest.mark.parametrize("name", ["t5", "offset", "alibi"])
-def test_blocks_merge_and_backprop_like_full_attention(name, is_causal):
+def test_blocks_merge_and_backprop_like_full_attention(monkeypatch, name, is_causal, padded, kernels):
+    if kernels == "flash":
+        monkeypatch.setenv("RELBIAS_NATIVE", "0")
     torch.manual_seed(0)
     q, k, v, g = (torch.randn(2, 4, L, 8, dtype=torch.float64) for _ in range(4))
     mask = torch.ones(2, 1, 1, L, dtype=torch.bool)
     mask[1, ..., :5] = False
+    mask = mask if padded else None
     bias = _bias(name).double()
     ref_bias = copy.deepcopy(bias)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -54,7 +63,7 @@ def test_blocks_merge_and_backprop_like_full_attention(name, is_causal):
     for s, kind in pieces:
         if kind != "skip":
             merge_into(out, lse, *run_block(q[:, :, qs], k[:, :, s : s + PIECE], v[:, :, s : s + PIECE],
-                                            mask[..., s : s + PIECE], 24, s, kind, settings))
+                                            _keys(mask, s), 24, s, kind, settings))
     torch.testing.assert_close(out, ref[:, :, qs].detach(), atol=1e-12, rtol=1e-10)
 
     # The gradient of the loss over these 12 queries only, block by block, equals full autograd's.
@@ -70,8 +79,8 @@ def test_blocks_merge_and_backprop_like_full_attention(name, is_causal):
         if kind == "skip":
             continue
         ks = slice(s, s + PIECE)
-        gq, gk, gv, gp = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], mask[..., ks], 24, s, kind, settings,
-                                        g[:, :, qs], out, lse, params)
+        gq, gk, gv, gp = block_backward(q[:, :, qs], k[:, :, ks], v[:, :, ks], _keys(mask, s), 24, s, kind, settings,
+                                        g[:, :, qs], out.detach(), lse.detach(), params)  # as the ring's (no graph)
         dq += gq
         dk[:, :, ks] += gk
         dv[:, :, ks] += gv

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import _toeplitz_native, toeplitz
 from ..backends._autograd import first_order
 from ..backends._cpu_flash import fused_available, fused_backward
 from ..backends._structured_parts import additive_mask, empty_rows, part_backward, run_part
@@ -124,12 +125,14 @@ def far_block_backward(
     q, k, v = query, key, value
     if q.dtype == torch.float16:  # as the structured backend: float16 blocks run in float64
         q, k, v = q.double(), k.double(), v.double()
+    keep = _keep(mask)
+    if keep is None and _toeplitz_native.loaded_native(q) is not None:
+        return _native_far_backward(q, k, v, scale, grad_out, out, lse, const)
     d = q.shape[-1]
     pad = torch.nn.functional.pad
     q1, v1 = pad(q, (0, 1)), pad(v, (0, 1))
     k1 = torch.cat([k, torch.ones_like(k[..., :1])], dim=-1)
     kernel_lse = (lse - const).to(torch.float64 if q.dtype == torch.float64 else torch.float32)
-    keep = _keep(mask)
     empty = lse == _NEG_INF
     if keep is not None:
         empty = empty | empty_rows(keep, "full", q.shape[2])
@@ -141,3 +144,16 @@ def far_block_backward(
     dconst = gq[..., d].to(compute).sum(dim=(0, 2)) / scale  # (H,)
     dconst = dconst.sum(0, keepdim=True) if const.shape[0] == 1 else dconst
     return gq[..., :d].to(compute), gk[..., :d].to(compute), gv[..., :d].to(compute), dconst[:, None]
+
+
+def _native_far_backward(q, k, v, scale, grad_out, out, lse, const):
+    """:func:`far_block_backward` without a padding mask, by relbias' native toeplitz backward with the constant as
+    its bias (every offset: ``const``): it reads the block's slices of q, k, v, dO and out in place, where the CPU
+    flash kernel's backward needs copies of them padded by one column, and returns the bias gradient, whose sum over
+    offsets is d const."""
+    lq, lk = q.shape[2], k.shape[2]
+    w = const.to(q.dtype).expand(const.shape[0], lq + lk - 1).contiguous()
+    plan = {"scale": scale, "delta": 0, "is_causal": False, "tile": toeplitz.TILE}
+    dq, dk, dv, grad_w = _toeplitz_native.native_backward(grad_out, q, k, v, out, lse, None, w, plan)
+    compute = lse.dtype
+    return dq.to(compute), dk.to(compute), dv.to(compute), grad_w.to(compute).sum(-1, keepdim=True)

@@ -11,8 +11,10 @@ Backward (a custom ``torch.autograd.Function``): the same rotation once more; pe
 merged result's gradient (:func:`relbias.distributed.blocks.block_backward`): a far block runs the fused
 kernel's backward with the merged output and global lse, any other block is recomputed with autograd and the
 share pushed through it. dq stays; dk and dv of the travelling block are added to
-the accumulators that travel with it, so after P hops they reach the rank that owns those keys (each hop is
-posted after the block's compute and waited for after the next one's). Bias-parameter gradients are partial
+the accumulators that travel with it, so after P hops they reach the rank that owns those keys. Each hop is
+posted after the block's compute and waited for before the next step's compute, which then adds into the
+received accumulators in place: a rank holds one pair of them at a time (waiting after the compute, to overlap
+the hop, would hold three: those in flight each way and this step's). Bias-parameter gradients are partial
 per rank and summed over the group with one ``all_reduce``. Every rank must call backward. Saved for
 backward: the local q, k, v, mask shard, the merged output and lse (O(L/P · D) per rank).
 """
@@ -97,8 +99,11 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
         pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
         k, v, starts = block[:3]
         mask = block[3] if len(block) > 3 else None
-        dk = torch.zeros(k.shape, dtype=compute, device=k.device)
-        dv = torch.zeros(v.shape, dtype=compute, device=v.device)
+        if grads_pending is not None:  # what the ranks before this one added for this block: this rank adds to it
+            dk, dv = grads_pending.wait()  # (and the previous block's sums, sent to the next rank, are freed)
+        else:
+            dk = torch.zeros(k.shape, dtype=compute, device=k.device)
+            dv = torch.zeros(v.shape, dtype=compute, device=v.device)
         for qs, q_start, ks, k_start, kind in _blocks(call, starts):
             if kind == "skip":
                 continue
@@ -112,11 +117,6 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
             for acc, g in zip(dparams, gp):
                 if g is not None:
                     acc += g
-        if grads_pending is not None:  # what the ranks before this one added for this block
-            dk_in, dv_in = grads_pending.wait()
-            dk += dk_in  # in place (the sum in the other order is the same floats): no third pair of buffers
-            dv += dv_in
-            del dk_in, dv_in
         if channel is not None:
             grads_pending = channel.start([dk, dv], _GRAD_TAG)
         if pending is not None:
