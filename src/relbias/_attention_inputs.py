@@ -12,6 +12,18 @@ from .positions import Alignment, resolve_alignment
 
 def check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
     """Validate (B, H, Lq, D), (B, H, Lk, D), (B, H, Lk, Dv): types, ranks, sizes, dtypes, devices."""
+    tensor = torch.Tensor
+    if isinstance(query, tensor) and isinstance(key, tensor) and isinstance(value, tensor):  # valid inputs: checked
+        qs, ks, vs = query.shape, key.shape, value.shape  # in a few reads (every call pays them); errors are named below
+        if (len(qs) == len(ks) == len(vs) == 4 and query.is_floating_point() and query.dtype == key.dtype == value.dtype
+                and query.device == key.device == value.device and qs[:2] == ks[:2] == vs[:2] and qs[3] == ks[3]
+                and ks[2] == vs[2]):
+            return
+    _explain_qkv(query, key, value)
+
+
+def _explain_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Raise the error that names what is wrong with query, key and value (:func:`check_qkv` found something)."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -69,10 +81,11 @@ def resolve_convention(convention: str | None, bias: object, scale: float | None
     return convention, float(scale) if scale is not None else 1.0 / math.sqrt(head_dim) if head_dim else 1.0
 
 
-def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> None:
-    """A bias is None, a RelativeBias with H in {1, num_heads}, or a finite float tensor broadcastable to target."""
+def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> list[tuple] | None:
+    """A bias is None, a RelativeBias with H in {1, num_heads}, or a finite float tensor broadcastable to target.
+    Returns a module's :meth:`~relbias.RelativeBias.state_stamp` (taken for the parameter check), else None."""
     if bias is None:
-        return
+        return None
     if isinstance(bias, RelativeBias):
         if bias.num_heads not in (1, target[1]):
             raise ValueError(
@@ -85,8 +98,7 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
         device = tensors[0].device if tensors else torch.device("cpu")  # as bias._device()
         if device != query.device:
             raise ValueError(f"the bias module is on {device} but query is on {query.device}; move one of them")
-        check_finite_parameters(bias, tensors)
-        return
+        return check_finite_parameters(bias, tensors)
     if not isinstance(bias, torch.Tensor):
         raise TypeError(f"bias must be a RelativeBias module, a tensor or None, got {type(bias).__name__}")
     if not bias.is_floating_point():
@@ -96,9 +108,10 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> No
     check_broadcast("bias", bias, target, "(batch, num_heads, query_len, key_len)")
     if not torch.compiler.is_compiling() and not bool(torch.isfinite(bias).all()):  # a value check: eager only
         raise ValueError("the bias tensor contains NaN or inf; pass -inf masking through mask=, not bias=")
+    return None
 
 
-def check_finite_parameters(bias: RelativeBias, tensors: tuple[torch.Tensor, ...] | None = None) -> None:
+def check_finite_parameters(bias: RelativeBias, tensors: tuple[torch.Tensor, ...] | None = None) -> list[tuple] | None:
     """Refuse a bias module whose parameters hold NaN/inf (every output reading them would be NaN).
 
     Costs O(parameters) when a parameter changed since the last check (its autograd version counter or
@@ -107,15 +120,17 @@ def check_finite_parameters(bias: RelativeBias, tensors: tuple[torch.Tensor, ...
 
     ``tensors``: ``bias.state_tensors()`` when the caller has them.
 
+    Returns:
+        The module's :meth:`~relbias.RelativeBias.state_stamp` (None while compiling).
+
     Raises:
         ValueError: naming the family, the parameter and the first non-finite entry.
     """
     if torch.compiler.is_compiling():  # value checks read data: eager calls make them, compiled graphs do not
-        return
-    tensors = bias.state_tensors() if tensors is None else tensors
-    stamp = [(t.data_ptr(), t._version) for t in tensors]  # buffers too: a changed one only costs a re-check
+        return None
+    stamp = bias.state_stamp(tensors)  # buffers too: a changed one only costs a re-check
     if bias.__dict__.get("_finite_stamp") == stamp:
-        return
+        return stamp
     for name, param in bias.named_parameters():
         if param.device.type == "meta" or param.numel() == 0:
             continue
@@ -128,6 +143,7 @@ def check_finite_parameters(bias: RelativeBias, tensors: tuple[torch.Tensor, ...
                 f"reads it would be NaN (reinitialise or reload the parameter)"
             )
     bias.__dict__["_finite_stamp"] = stamp
+    return stamp
 
 
 def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int, ...]) -> None:
@@ -163,10 +179,11 @@ def check_call(
     is_causal: bool,
     query_start: int | torch.Tensor | None,
     key_start: int | torch.Tensor,
-) -> Alignment:
+) -> tuple[Alignment, list[tuple] | None]:
     """Every check :func:`relbias.attention` (and ``explain_backend``) makes before choosing a backend.
 
-    Returns the call's :class:`Alignment`; raises TypeError / ValueError as ``relbias.attention`` documents.
+    Returns the call's :class:`Alignment` and a bias module's state stamp (:func:`check_bias`); raises TypeError /
+    ValueError as ``relbias.attention`` documents.
     """
     check_qkv(query, key, value)
     batch, heads, query_len, _ = query.shape
@@ -174,12 +191,12 @@ def check_call(
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
     alignment = resolve_alignment(query_len, key.shape[2], query_start=query_start, key_start=key_start)
-    check_bias(bias, query, target)
+    stamp = check_bias(bias, query, target)
     if mask is not None:
         check_mask(mask, query, target)
     if not is_causal and isinstance(bias, RelativeBias) and not bias.bidirectional:
         _check_no_visible_future(mask, is_causal, alignment, query.device)
-    return alignment
+    return alignment, stamp
 
 
 def _check_no_visible_future(mask, is_causal, alignment, device) -> None:

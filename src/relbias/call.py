@@ -92,6 +92,11 @@ class AttentionCall:
         b, h, lq, _ = self.query.shape
         return b * h * lq * self.alignment.key_len
 
+    def native_bias(self):
+        """``bias.native_for(alignment, query's device)`` (:class:`relbias.biases.native.NativeBias`) of an offset-only
+        bias module, with the parameter state that validation took (no second look at the parameters)."""
+        return self.bias.native_for(self.alignment, self.query.device, stamp=self._cache.get("bias_stamp"))
+
     @property
     def needs_grad(self) -> bool:
         """Whether autograd will ask for a gradient (grad mode on, and an input or bias parameter requires it)."""
@@ -151,9 +156,10 @@ class AttentionCall:
 
     def _cached(self, name: str, compute):
         """A derived value, computed on first use and kept for the call (a plain dict: torch.compile traces it)."""
-        if name not in self._cache:
-            self._cache[name] = compute()
-        return self._cache[name]
+        cache = self._cache
+        if name not in cache:
+            cache[name] = compute()
+        return cache[name]
 
     def _key_padding(self) -> torch.Tensor | None:
         """The (Bm, Hm, Lk) bool view of the mask when it is a key padding mask, else None.
@@ -206,7 +212,7 @@ def make_call(
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
     dropout = _dropout(dropout_p, generator)
-    alignment = _attention_inputs.check_call(
+    alignment, stamp = _attention_inputs.check_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start
     )
     convention, scale = _attention_inputs.resolve_convention(convention, bias, scale, query.shape[-1])
@@ -221,7 +227,9 @@ def make_call(
         mask, is_causal = _causal_mask(mask, alignment, query.device), False
     if dropout is not None:
         dropout = Dropout(dropout.p, dropout.seed, alignment.query_start, alignment.key_start)
-    return AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse, dropout)
+    call = AttentionCall(query, key, value, bias, mask, is_causal, convention, scale, alignment, return_lse, dropout)
+    call._cache["bias_stamp"] = stamp  # taken by the parameter check: the native form's memo reuses it
+    return call
 
 
 def _causal_mask(mask: torch.Tensor | None, alignment: Alignment, device: torch.device) -> torch.Tensor:

@@ -173,12 +173,15 @@ def _module(what: str):
     return module
 
 
-def read_in_place(tensor: torch.Tensor) -> bool:
-    """Whether the native kernels read the (B, H, L, D) ``tensor`` without a copy: its last dimension has unit stride
-    and its rows lie at least D apart (a slice along L, the transpose of a (B, L, H, D) projection, a static cache's
-    view, a broadcast batch or head; not a length broadcast, whose rows are 0 apart)."""
-    _, _, length, dim = tensor.shape
-    return (dim <= 1 or tensor.stride(3) == 1) and (length <= 1 or tensor.stride(2) >= dim)
+def read_in_place(*tensors: torch.Tensor) -> bool:
+    """Whether the native kernels read every (B, H, L, D) tensor of ``tensors`` without a copy: its last dimension has
+    unit stride and its rows lie at least D apart (a slice along L, the transpose of a (B, L, H, D) projection, a
+    static cache's view, a broadcast batch or head; not a length broadcast, whose rows are 0 apart)."""
+    for tensor in tensors:
+        _, _, length, dim = tensor.shape
+        if not ((dim <= 1 or tensor.stride(3) == 1) and (length <= 1 or tensor.stride(2) >= dim)):
+            return False
+    return True
 
 
 def rows_layout(tensor: torch.Tensor) -> torch.Tensor:

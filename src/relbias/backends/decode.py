@@ -65,7 +65,7 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     if not bias.offset_only:
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
         return (pe.to(dtype) * call.bias_scale)[None]
-    native = bias.native_for(a, call.query.device)
+    native = call.native_bias()
     # reversed and scaled as the toeplitz backend's (no causal -inf: decode masks with ``visible``); kept with the
     # native form, which a decoder's layers share within a step
     return native.derive(("decode", dtype, call.bias_scale), lambda: _rows(native.values, call, dtype))
@@ -111,10 +111,9 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     bias, query, key, value = call.bias, call.query, call.key, call.value
     if call.mask is not None or not isinstance(bias, RelativeBias) or not bias.offset_only:
         return None
-    read = _toeplitz_native.read_in_place
-    if not (read(query) and read(key) and read(value)) or torch.compiler.is_compiling():
+    if not _toeplitz_native.read_in_place(query, key, value) or torch.compiler.is_compiling():
         return None
-    native = bias.native_for(call.alignment, query.device)
+    native = call.native_bias()
     # kept with the native form, which a decoder's layers share within a step: whether the kernels run (RELBIAS_NATIVE
     # is read once per native form) and the reversed, scaled bias with -inf at future offsets
     key_ = ("decode native", query.dtype, call.bias_scale, call.is_causal)
@@ -138,12 +137,13 @@ def _native_plan(call: AttentionCall, values: torch.Tensor) -> tuple:
 
 
 class DecodeBackend(Backend):
-    """Few queries against any number of keys: the bias rows as an additive mask of one fused kernel call."""
+    """Few queries against any number of keys: the bias rows read by one fused kernel call."""
 
     name = "decode"
     summary = (
-        f"few queries (at most {MAX_QUERIES}): the bias rows added to one fused CPU flash-attention call, as "
-        f"fast as bias-free attention; inference"
+        f"few queries (at most {MAX_QUERIES}): the bias rows read by one fused kernel call (relbias' native "
+        f"toeplitz forward, or CPU flash attention with the rows as its mask), as fast as bias-free attention; "
+        f"inference"
     )
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:

@@ -118,7 +118,7 @@ def toeplitz_attention(
     reference backend, one softmax, has no such limit. A query holding +-inf whose every score is -inf gets out 0
     (the reference: NaN); it still reaches no other query.
     """
-    native = call.bias.native_for(call.alignment, call.query.device)
+    native = call.native_bias()
     query, key, value = _compute_inputs(call)
     out, lse = toeplitz_apply(query, key, value, native.values, _plan(call, block_q, tile))
     return out.to(call.query.dtype), lse

@@ -157,6 +157,13 @@ class RelativeBias(nn.Module):
             return tuple([t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None])
         return (*self.parameters(), *self.buffers())
 
+    def state_stamp(self, tensors: tuple[torch.Tensor, ...] | None = None) -> list[tuple]:
+        """What identifies the current values of :meth:`state_tensors` (``tensors``, when the caller has them): each
+        tensor's storage, autograd version counter and dtype. It changes when a parameter or buffer is written in
+        place, replaced or cast; O(number of tensors), no value read."""
+        tensors = self.state_tensors() if tensors is None else tensors
+        return [(t.data_ptr(), t._version, t.dtype) for t in tensors]
+
     def _device(self) -> torch.device:
         for tensor in self.state_tensors():
             return tensor.device
@@ -190,17 +197,19 @@ class RelativeBias(nn.Module):
         alignment = resolve_alignment(query_len, key_len, query_start=query_start, key_start=key_start)
         return self.native_for(alignment, device)
 
-    def native_for(self, alignment: Alignment, device: torch.device | str | None = None) -> NativeBias:
+    def native_for(self, alignment: Alignment, device: torch.device | str | None = None, *,
+                   stamp: list[tuple] | None = None) -> NativeBias:
         """:meth:`native` for an :class:`relbias.Alignment` already resolved (a backend holds its call's): the same
-        result, without validating the lengths and positions again. Errors: those of :meth:`offset_values`, and
-        NotImplementedError for a family that is not offset-only."""
+        result, without validating the lengths and positions again. ``stamp``: :meth:`state_stamp` when the caller
+        took it for this call (an :class:`relbias.call.AttentionCall` holds its own), else taken here. Errors:
+        those of :meth:`offset_values`, and NotImplementedError for a family that is not offset-only."""
         if not self.offset_only:
             raise NotImplementedError(
                 f"{type(self).__name__} depends on absolute positions, not on i - j alone, so it has no "
                 f"per-offset native form; use pair_values() or forward()"
             )
         device = self._device() if device is None else device
-        memo = self._memo_key(alignment, device)
+        memo = self._memo_key(alignment, device, stamp)
         if memo is not None and self.__dict__.get("_native_memo", (None,))[0] == memo:
             return self.__dict__["_native_memo"][1]
         native = NativeBias(self.offset_values(alignment.offset_vector(device)), alignment)
@@ -208,17 +217,16 @@ class RelativeBias(nn.Module):
             self.__dict__["_native_memo"] = (memo, native)
         return native
 
-    def _memo_key(self, alignment, device) -> tuple | None:
+    def _memo_key(self, alignment, device, stamp=None) -> tuple | None:
         """What :meth:`native`'s last result is valid for, or None where it must not be reused: families not
         :attr:`state_only`, calls whose values need a graph (grad mode with a parameter requiring grad), tensor
         positions and compiled calls. The key holds the alignment, the device, inference mode (an inference
         tensor cannot enter autograd later) and each parameter's and buffer's storage and version counter."""
         if not self.state_only or torch.compiler.is_compiling() or isinstance(alignment.min_offset, torch.Tensor):
             return None
-        tensors = self.state_tensors()
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in self.state_tensors()):
             return None
-        stamp = [(t.data_ptr(), t._version, t.dtype) for t in tensors]
+        stamp = self.state_stamp() if stamp is None else stamp
         device = device if isinstance(device, torch.device) else torch.device(device)
         return alignment, device, torch.is_inference_mode_enabled(), stamp
 
