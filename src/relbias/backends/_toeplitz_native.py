@@ -178,6 +178,8 @@ def read_in_place(*tensors: torch.Tensor) -> bool:
     unit stride and its rows lie at least D apart (a slice along L, the transpose of a (B, L, H, D) projection, a
     static cache's view, a broadcast batch or head; not a length broadcast, whose rows are 0 apart)."""
     for tensor in tensors:
+        if tensor.is_contiguous():  # the common case, without reading strides
+            continue
         _, _, length, dim = tensor.shape
         if not ((dim <= 1 or tensor.stride(3) == 1) and (length <= 1 or tensor.stride(2) >= dim)):
             return False
