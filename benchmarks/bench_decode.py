@@ -10,8 +10,8 @@ Per-step latency (ms, median of ``--calls`` calls after a warm-up, the methods i
 
 for Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, float32, causal ``T5Bias``); then tokens/s of greedy ``generate``
 of a t5-small-shaped ``T5ForConditionalGeneration`` (random weights, built from a config: no download), patched
-and unpatched, at 512 and 4096 input tokens (encoding included; the best of ``--rounds`` interleaved runs), with identical tokens checked. Prints the load
-average before and after; run it on an otherwise idle machine.
+and unpatched, at 512 and 4096 input tokens (encoding included; the best of ``--rounds`` interleaved runs), with
+identical tokens checked. Prints the load average before and after; run it on an otherwise idle machine.
 
     python benchmarks/bench_decode.py [--lengths 128 512 2048 8192] [--inputs 512 4096] [--new-tokens 32]
 """
