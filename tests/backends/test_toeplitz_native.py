@@ -398,3 +398,13 @@ def test_native_forward_a_nan_query_reaches_only_that_query(is_causal):
     bad[1, 2, 17] = True
     assert bool(torch.isnan(out[bad]).all() and torch.isnan(lse[bad]).all())
     assert bool(torch.isfinite(out[~bad]).all() and torch.isfinite(lse[~bad]).all())
+
+
+def test_the_kernels_refuse_rows_closer_than_head_dim_given_directly():
+    """The C++ entry points check the layout themselves: rows 0 apart (a length broadcast) are refused, not read."""
+    module = _toeplitz_native.load_native()
+    q = torch.randn(B, H, 1, D, dtype=torch.float64).expand(B, H, 6, D)
+    k = torch.randn(B, H, 6, D, dtype=torch.float64)
+    w = torch.randn(H, 11, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="query must have unit stride along its last dimension"):
+        module.toeplitz_forward(q, k, k, w, 0.3, 0, False, 4, 4, True)
