@@ -44,8 +44,7 @@ from ._toeplitz_backward import tiled_backward
 
 __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
-    "native_backward", "native_forward", "native_unavailable_reason", "read_in_place",
-    "rows_layout",
+    "native_backward", "native_forward", "native_unavailable_reason", "read_in_place", "rows_layout",
 ]
 
 _CSRC = Path(__file__).with_name("csrc")
@@ -148,7 +147,7 @@ def _runs(query: torch.Tensor, what: str) -> bool:
     """Whether the native kernels take a call on ``query``'s dtype and device (CPU float32 / float64) and are built;
     a failed build warns once that ``what`` (e.g. "backward runs in Python") instead. ``RELBIAS_NATIVE=0``: no
     warning (asked for)."""
-    if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
+    if not _takes(query):
         return False
     reason = native_unavailable_reason()
     if reason is not None and reason != _OPT_OUT:
@@ -160,9 +159,12 @@ def loaded_native(query: torch.Tensor):
     """The built extension module when the native kernels take calls on ``query``'s dtype and device (CPU float32 /
     float64), else None, without a warning (the caller has another path as fast as the fallbacks); the first call
     builds or loads it."""
-    if query.dtype not in (torch.float32, torch.float64) or query.device.type != "cpu":
-        return None
-    return load_native()
+    return load_native() if _takes(query) else None
+
+
+def _takes(query: torch.Tensor) -> bool:
+    """Whether the native kernels take a call on ``query``'s dtype and device: CPU float32 / float64."""
+    return query.dtype in (torch.float32, torch.float64) and query.device.type == "cpu"
 
 
 def _module(what: str):
@@ -200,7 +202,8 @@ def backward(
     it is unavailable (a failed build warns once); arguments and results as ``tiled_backward``'s.
 
     Shapes: ``do``, ``query``, ``out`` (B, H, Lq, D) and ``key``, ``value`` (B, H, Lk, D), float32 or float64 on
-    CPU (any strides: read in place where :func:`rows_layout` allows, else copied); ``lse`` (B, H, Lq) float32 / float64, -inf for a query that sees no key;
+    CPU (any strides: read in place where :func:`rows_layout` allows, else copied); ``lse`` (B, H, Lq) float32 /
+    float64, -inf for a query that sees no key;
     ``grad_lse`` None or like ``lse``; ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a
     causal call's future offsets). ``plan``: scale, delta, is_causal, tile (rows and keys per tile, tokens).
     Returns contiguous dq, dk, dv like the inputs and ``grad_w`` (Hb, Lq + Lk - 1) in the inputs' dtype (values at
