@@ -95,7 +95,7 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> li
                 f"head_dim) tensor first)"
             )
         tensors = bias.state_tensors()
-        device = tensors[0].device if tensors else torch.device("cpu")  # as bias._device()
+        device = bias._device(tensors)
         if device != query.device:
             raise ValueError(f"the bias module is on {device} but query is on {query.device}; move one of them")
         return check_finite_parameters(bias, tensors)

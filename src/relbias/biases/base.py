@@ -164,8 +164,9 @@ class RelativeBias(nn.Module):
         tensors = self.state_tensors() if tensors is None else tensors
         return [(t.data_ptr(), t._version, t.dtype) for t in tensors]
 
-    def _device(self) -> torch.device:
-        for tensor in self.state_tensors():
+    def _device(self, tensors: tuple[torch.Tensor, ...] | None = None) -> torch.device:
+        """The device of the first of :meth:`state_tensors` (``tensors``, when the caller has them), else CPU."""
+        for tensor in self.state_tensors() if tensors is None else tensors:
             return tensor.device
         return torch.device("cpu")
 
