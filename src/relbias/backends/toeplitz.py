@@ -137,7 +137,7 @@ def toeplitz_part_backward(
     ``torch.autograd.grad`` for the parameters' share. FlashAttention's split-KV merge (Dao et al. 2023).
     """
     with torch.enable_grad():
-        values = call.bias.native_for(call.alignment, call.query.device).values
+        values = call.native_bias().values
     query, key, value = (t.detach() for t in _compute_inputs(call))
     dq, dk, dv, dvalues = part_backward(grad_out, query, key, value, values, out, lse, _plan(call, None, None))
     return dq, dk, dv, values, dvalues
