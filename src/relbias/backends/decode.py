@@ -3,8 +3,9 @@ bias-free fused attention.
 
 With Lq <= :data:`MAX_QUERIES`, the bias of the whole block is only (H, Lq, Lk). Two kernels run it:
 
-* an offset-only bias, no mask, contiguous inputs, where relbias' native kernels are built: the toeplitz backend's
-  fused forward (``csrc/toeplitz_forward.cpp``), which reads the bias straight from the reversed per-offset vector;
+* an offset-only bias, no mask, inputs the kernel reads in place (any but a length broadcast), where relbias'
+  native kernels are built: the toeplitz backend's fused forward (``csrc/toeplitz_forward.cpp``), which reads the
+  bias straight from the reversed per-offset vector;
 * otherwise the bias looked up from the bias module (the native per-offset vector reversed, as a view, for
   offset-only families) and added, with the causal and user masks, to one additive ``attn_mask`` of PyTorch's CPU
   flash-attention kernel (through SDPA's binding, or the raw op when the log-sum-exp is asked for).

@@ -28,17 +28,17 @@ class NativeBias:
 
     values: torch.Tensor
     alignment: Alignment
-    #: Tensors a backend derives from :attr:`values` (e.g. the reversed, scaled copy), kept with the values they
+    #: What a backend derives from :attr:`values` (e.g. the reversed, scaled copy), kept with the values it
     #: came from: a reused native form (:meth:`relbias.RelativeBias.native` outside autograd) reuses them too.
     derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     def derive(self, key: object, make: Callable[[], object]) -> object:
         """``make()`` (a tensor, or a tuple holding tensors), computed once per ``key`` (hashable) for these values;
         callers must not modify it."""
-        tensor = self.derived.get(key)
-        if tensor is None:
-            tensor = self.derived[key] = make()
-        return tensor
+        value = self.derived.get(key)
+        if value is None:
+            value = self.derived[key] = make()
+        return value
 
     @property
     def min_offset(self) -> int:

@@ -8,9 +8,9 @@ from r - 1), runs its blocks (one per pair of local query piece and travelling k
 its running result (:mod:`relbias.distributed.merge`).
 
 Backward (a custom ``torch.autograd.Function``): the same rotation once more; per block, its share of the
-merged result's gradient (:func:`relbias.distributed.blocks.block_backward`): a far block runs the fused
-kernel's backward with the merged output and global lse, any other block is recomputed with autograd and the
-share pushed through it. dq stays; dk and dv of the travelling block are added to
+merged result's gradient (:func:`relbias.distributed.blocks.block_backward`): a far block, and a biased block the
+toeplitz backend runs, get their kernel's backward with the merged output and global lse; any other block is
+recomputed with autograd and the share pushed through it. dq stays; dk and dv of the travelling block are added to
 the accumulators that travel with it, so after P hops they reach the rank that owns those keys. Each hop is
 posted after the block's compute and waited for before the next step's compute, which then adds into the
 received accumulators in place: a rank holds one pair of them at a time (waiting after the compute, to overlap
