@@ -23,8 +23,12 @@ class Pending:
     def wait(self) -> list[torch.Tensor]:
         for work in self._works:
             work.wait()
-        self._sent = []  # send buffers may be freed once the sends completed
-        return [t.bool() if b else t for t, b in zip(self._received, self._bools)]
+        received, self._received = self._received, []
+        # the send buffers may be freed once the sends completed: the works hold them too (gloo's do), so both go;
+        # kept until the Pending itself is dropped, a ring step's sent dK and dV (two shard-sized tensors) outlived
+        # the next step's compute
+        self._works, self._sent = [], []
+        return [t.bool() if b else t for t, b in zip(received, self._bools)]
 
 
 class RingChannel:
