@@ -50,12 +50,14 @@ class Case:
     padding: bool
     seq_len: int = 64
     dtype: str = "float32"
+    kv_chunks: int | None = None  # None: the default (whole shards at these lengths)
 
     @property
     def name(self) -> str:
         pad = "-pad" if self.padding else ""
         f64 = "-float64" if self.dtype == "float64" else ""
-        return f"{self.family}-{'causal' if self.is_causal else 'bidir'}-{self.layout}-{self.strategy}{pad}{f64}"
+        chunks = "" if self.kv_chunks is None else f"-chunks{self.kv_chunks}"
+        return f"{self.family}-{'causal' if self.is_causal else 'bidir'}-{self.layout}-{self.strategy}{pad}{f64}{chunks}"
 
     @property
     def tolerance(self) -> float:
@@ -77,6 +79,12 @@ def comparison_cases() -> list[Case]:
     cases.append(Case("t5", False, "zigzag", "ring", True, dtype="float64"))
     cases.append(Case("t5_causal", True, "contiguous", "ring", True, dtype="float64"))
     cases.append(Case("offset", False, "zigzag", "ulysses", True, dtype="float64"))
+    # keys and values travelling in chunks (one rotation each): 64 tokens give P = 4 chunks of 4 tokens
+    cases.append(Case("t5_causal", True, "zigzag", "ring", True, kv_chunks=4))
+    cases.append(Case("t5", False, "contiguous", "ring", True, kv_chunks=4))
+    cases.append(Case("offset_shared_causal", True, "contiguous", "ring", False, kv_chunks=2))
+    cases.append(Case("fire", True, "zigzag", "ring", False, seq_len=32, kv_chunks=2))
+    cases.append(Case("t5", False, "zigzag", "ring", False, dtype="float64", kv_chunks=4))
     return cases
 
 
@@ -95,6 +103,10 @@ REFUSALS = {
     "causal_only_bias_bidirectional_call": ("ValueError", "is_causal=True"),
     "ring_double_backward": ("RuntimeError", "strategy 'ring') has no double backward"),
     "ulysses_double_backward": ("RuntimeError", "strategy 'ulysses') has no double backward"),
+    "kv_chunks_odd_with_zigzag": ("ValueError", "kv_chunks=3 cannot split"),
+    "kv_chunks_not_dividing": ("ValueError", "kv_chunks=8 cannot split"),
+    "kv_chunks_zero": ("ValueError", "kv_chunks must be >= 1, got 0"),
+    "kv_chunks_not_int": ("TypeError", "kv_chunks must be an int"),
 }
 
 
@@ -137,12 +149,14 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
     out = context_parallel_attention(
         *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
         is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, stats=stats, group=group,
+        kv_chunks=case.kv_chunks,
     )
     (out * local(g)).sum().backward()
     with torch.no_grad():  # inference runs without the autograd Function
         out_no_grad = context_parallel_attention(
             *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
             is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, group=group,
+            kv_chunks=case.kv_chunks,
         )
 
     pairs = {"out": (out, local(ref)), "out_no_grad": (out_no_grad, local(ref))}
@@ -185,6 +199,14 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["bias"] = relbias.PerOffsetBias(max_len=q.shape[2])  # local length fits, the global length does not
     elif name == "causal_only_bias_bidirectional_call":
         kwargs["bias"] = relbias.ALiBiBias(H, bidirectional=False)
+    elif name == "kv_chunks_odd_with_zigzag":
+        kwargs.update(layout="zigzag", kv_chunks=3)  # 2 pieces: 1 or an even number of chunks
+    elif name == "kv_chunks_not_dividing":
+        kwargs["kv_chunks"] = 8  # local length 4
+    elif name == "kv_chunks_zero":
+        kwargs["kv_chunks"] = 0
+    elif name == "kv_chunks_not_int":
+        kwargs["kv_chunks"] = 2.0
     elif name.endswith("_double_backward"):  # a gradient penalty: refused on every rank before communicating
         q = q.requires_grad_(True)
         kwargs.update(bias=relbias.T5Bias(H), strategy=name.split("_")[0])

@@ -66,6 +66,10 @@ def test_ring_skips_future_blocks_and_runs_far_blocks_bias_free(groups, world_si
     assert total("none-bidir-contiguous-ring-pad")[2] == 0  # no bias: nothing is counted bias-free
     zigzag = total("t5_causal-causal-zigzag-ring")
     assert zigzag[0] == 4 * world_size**2
+    # in 4 chunks of one piece each: P rotations' steps x 4 chunks x 2 query pieces per rank, and more of them far
+    chunked = total("t5_causal-causal-zigzag-ring-pad-chunks4")
+    assert chunked[0] == 8 * world_size**2
+    assert chunked[1] + chunked[2] + chunked[3] == chunked[0]
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))

@@ -28,6 +28,7 @@ def context_parallel_attention(
     layout: str = "contiguous",
     strategy: str = "ring",
     stats: RingStats | None = None,
+    kv_chunks: int | None = None,
 ) -> torch.Tensor:
     """Exact self-attention with a relative position bias over a sequence sharded along its length.
 
@@ -57,7 +58,9 @@ def context_parallel_attention(
       ``PerOffsetBias(out_of_range="clip")``: ``bias.far_constant_distance()`` = T), a block whose offsets
       all satisfy ``|i - j| >= T`` runs bias-free attention and adds the per-head constant
       ``bias_scale · PE_h(±T)`` to its log-sum-exp. Backward recomputes each biased block (far blocks use the
-      fused kernel's backward directly) and sends dK and dV around the ring to the ranks owning those keys. Any head count; memory O(L/P · D) per rank and head.
+      fused kernel's backward directly) and sends dK and dV around the ring to the ranks owning those keys. Any
+      head count; memory O(L/P · D) per rank and head: the shard's own q, k, v, output and gradients, plus
+      ``kv_chunks`` chunks of keys and values and their gradients in flight (``6/C`` shards).
     * ``"ulysses"`` (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence shards to head shards
       (H/P heads each over the whole sequence), single-device ``relbias.attention`` with the bias sliced to the
       rank's heads, all-to-all back. Needs ``H % P == 0``.
@@ -78,6 +81,12 @@ def context_parallel_attention(
         strategy: "ring" (default) or "ulysses".
         stats: a :class:`relbias.distributed.RingStats` to which the ring adds the counts of its forward
             blocks (skipped, bias-free, biased); ignored by "ulysses". Default None.
+        kv_chunks: "ring": the chunks C in which a rank's keys and values travel, one full rotation of the ring
+            per chunk, so that a rank holds 1/C of a shard's keys and values (and of their gradients) in flight
+            instead of a whole shard, for C times as many messages of 1/C the size (the same bytes). 1: the whole
+            shard at once; C > 1: a multiple of the shard's pieces (1 contiguous, 2 zigzag) whose chunks split every
+            piece evenly. Default None: 1 on one rank; else 4, 2 or 1, the most that keep chunks whole and at least
+            256 tokens long. Ignored by "ulysses".
 
     Returns:
         (B, H, L/P, Dv) this rank's output shard, in the dtype of ``query``; differentiable in query, key,
@@ -87,11 +96,12 @@ def context_parallel_attention(
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        TypeError: as :func:`relbias.attention`; a bias that is not a RelativeBias module (tensor biases have
-            no global positions); a mask that is not bool; a non-bool ``is_causal``.
-        ValueError: an unknown ``layout`` or ``strategy``; local query and key lengths that differ; an odd local
-            length with "zigzag" (L not divisible by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped
-            (B or 1, H or 1, 1, L/P); a causal-only bias without ``is_causal``; a bias that cannot evaluate the
+        TypeError: as :func:`relbias.attention`; a ``kv_chunks`` neither None nor an int; a bias that is not a
+            RelativeBias module (tensor biases have no global positions); a mask that is not bool; a non-bool
+            ``is_causal``.
+        ValueError: an unknown ``layout`` or ``strategy``; a ``kv_chunks`` below 1 or not splitting the pieces
+            evenly; local query and key lengths that differ; an odd local length with "zigzag" (L not divisible
+            by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped (B or 1, H or 1, 1, L/P); a causal-only bias without ``is_causal``; a bias that cannot evaluate the
             sequence's offsets (per-offset table shorter than L, ``out_of_range="error"``); the errors of
             :func:`relbias.attention`. Every rank raises alike, before any communication (shapes and settings
             must be equal on every rank).
@@ -105,7 +115,7 @@ def context_parallel_attention(
     """
     call = check_context_parallel(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-        group=group, layout=layout, strategy=strategy,
+        group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks,
     )
     if call.strategy == "ring":
         return ring_attention(call, query, key, value, stats)

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BLOCK_KINDS", "RingStats", "block_kind"]
+from .._int_args import check_int
+
+__all__ = ["BLOCK_KINDS", "MAX_AUTO_KV_CHUNKS", "MIN_AUTO_CHUNK_TOKENS", "RingStats", "block_kind", "kv_chunks_of",
+           "resolve_kv_chunks"]
 
 #: "skip": causal and every key is in the future of every query (no work, no communication saved);
 #: "past" / "future": every offset is ``>= T`` / ``<= -T`` of a far-constant bias, so the block runs
@@ -41,12 +44,68 @@ def block_kind(
     return "bias"
 
 
+#: ``kv_chunks=None`` splits a shard into at most this many travelling chunks ...
+MAX_AUTO_KV_CHUNKS = 4
+#: ... each at least this many tokens long (shorter ones would make the ring's steps small and many).
+MIN_AUTO_CHUNK_TOKENS = 256
+
+
+def resolve_kv_chunks(kv_chunks: object, local_len: int, num_pieces: int, world_size: int) -> int:
+    """The number C of chunks a shard's keys and values travel the ring in, one full rotation per chunk.
+
+    Args:
+        kv_chunks: None (automatic: 1 on one rank, where nothing travels; else the largest C of 4, 2, 1 whose
+            chunks are whole and at least :data:`MIN_AUTO_CHUNK_TOKENS` tokens) or an int >= 1: 1 (the whole shard,
+            every piece, travels at once), or a multiple of ``num_pieces`` whose chunks split every piece evenly.
+        local_len: L/P, tokens per rank; num_pieces: runs of positions per shard (1 contiguous, 2 zigzag).
+        world_size: P.
+
+    Raises:
+        TypeError: ``kv_chunks`` is neither None nor an int.
+        ValueError: ``kv_chunks < 1``; C > 1 not a multiple of ``num_pieces`` or not dividing the pieces evenly.
+    """
+    piece = local_len // num_pieces
+    if kv_chunks is None:
+        if world_size == 1:
+            return 1
+        for chunks in (MAX_AUTO_KV_CHUNKS, 2, 1):
+            per_piece, left = divmod(chunks, num_pieces)
+            if chunks == 1 or (not left and piece % per_piece == 0 and piece // per_piece >= MIN_AUTO_CHUNK_TOKENS):
+                return chunks
+    check_int("kv_chunks", kv_chunks, minimum=1)
+    if kv_chunks > 1 and (kv_chunks % num_pieces or piece % (kv_chunks // num_pieces)):
+        raise ValueError(
+            f"kv_chunks={kv_chunks} cannot split this rank's keys: its {num_pieces} piece(s) of {piece} tokens need "
+            f"kv_chunks = 1 or a multiple of {num_pieces} whose chunks (kv_chunks / {num_pieces} per piece) divide "
+            f"{piece}"
+        )
+    return kv_chunks
+
+
+def kv_chunks_of(pieces: list[tuple[int, int]], chunks: int) -> list[tuple[slice, list[int]]]:
+    """The travelling chunks of a shard whose runs of positions are ``pieces`` ([(start, length), ...], local
+    order): ``(local slice, [start of each run in it])`` per chunk, ``chunks`` of them (:func:`resolve_kv_chunks`).
+    One chunk is the whole shard, all its runs; more split each run into ``chunks / len(pieces)`` equal parts."""
+    if chunks == 1:
+        return [(slice(0, sum(n for _, n in pieces)), [start for start, _ in pieces])]
+    per_piece = chunks // len(pieces)
+    out, at = [], 0
+    for start, length in pieces:
+        size = length // per_piece
+        for part in range(per_piece):
+            out.append((slice(at + part * size, at + (part + 1) * size), [start + part * size]))
+        at += length
+    return out
+
+
 @dataclass
 class RingStats:
     """Counts of the forward pass's blocks, added to by :func:`relbias.distributed.context_parallel_attention`.
 
-    One block is one (local query piece, travelling key piece) pair on this rank: per call, ``P`` ring
-    steps times 1 (contiguous) or 4 (zigzag) pairs. Backward recomputes the same blocks and is not counted.
+    One block is one (local query piece, travelling key piece) pair on this rank: per call, ``P`` ring steps per
+    travelling chunk (``kv_chunks`` C), each with 1 (contiguous) or 2 (zigzag) query pieces against the chunk's
+    key pieces (C = 1: 1 contiguous, 2 zigzag; C > 1: one piece per chunk). Backward revisits the same blocks and is
+    not counted.
 
     Attributes:
         blocks: blocks considered.

@@ -1,17 +1,20 @@
 """Ring attention: keys and values rotate around the ring; each rank merges its blocks by log-sum-exp.
 
-Forward (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3): at step s = 0 .. P-1, rank r
-holds the key/value shard of rank (r - s) mod P together with its piece starts (global positions) and its
-key padding mask shard; it posts the exchange of that block to rank r + 1 (and the receipt of the next one
-from r - 1), runs its blocks (one per pair of local query piece and travelling key piece, see
-:mod:`relbias.distributed.plan`) while the exchange is in flight, and folds each block's ``(out, lse)`` into
-its running result (:mod:`relbias.distributed.merge`).
+Forward (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3): a rank's keys and values travel in
+``kv_chunks`` chunks C (:func:`relbias.distributed.plan.kv_chunks_of`; C = 1: the whole shard), one full rotation
+of the ring per chunk. At step s = 0 .. P-1 of a rotation, rank r holds that chunk of rank (r - s) mod P
+together with its piece starts (global positions) and its key padding mask slice; it posts the exchange of that
+block to rank r + 1 (and the receipt of the next one from r - 1), runs its blocks (one per pair of local query
+piece and travelling key piece, see :mod:`relbias.distributed.plan`) while the exchange is in flight, and folds
+each block's ``(out, lse)`` into its running result (:mod:`relbias.distributed.merge`). Chunks bound what a rank
+holds in flight to 1/C of a shard's keys and values (the one it computes with and the one it receives), for C
+times as many messages, each 1/C the size.
 
-Backward (a custom ``torch.autograd.Function``): the same rotation once more; per block, its share of the
+Backward (a custom ``torch.autograd.Function``): the same rotations once more; per block, its share of the
 merged result's gradient (:func:`relbias.distributed.blocks.block_backward`): a far block, and a biased block the
 toeplitz backend runs, get their kernel's backward with the merged output and global lse; any other block is
-recomputed with autograd and the share pushed through it. dq stays; dk and dv of the travelling block are added to
-the accumulators that travel with it, so after P hops they reach the rank that owns those keys. Each hop is
+recomputed with autograd and the share pushed through it. dq stays; dk and dv of the travelling chunk are added
+to the accumulators that travel with it, so after P hops they reach the rank that owns those keys. Each hop is
 posted after the block's compute and waited for before the next step's compute, which then adds into the
 received accumulators in place: a rank holds one pair of them at a time (waiting after the compute, to overlap
 the hop, would hold three: those in flight each way and this step's). Bias-parameter gradients are partial
@@ -29,7 +32,7 @@ from .blocks import block_backward, run_block
 from .comm import RingChannel, all_reduce_sum
 from .layout import shard_pieces
 from .merge import DOUBLE_BACKWARD_HINT, merge_into
-from .plan import RingStats, block_kind
+from .plan import RingStats, block_kind, kv_chunks_of
 from .validate import ContextParallelCall
 
 __all__ = ["ring_attention"]
@@ -37,25 +40,29 @@ __all__ = ["ring_attention"]
 _KV_TAG, _GRAD_TAG = 0, 8  # tags of the block exchange (k, v, starts, mask) and of the dk/dv exchange
 
 
-def _blocks(call: ContextParallelCall, starts: torch.Tensor):
-    """(local query slice, query start, local key slice, key start, kind) of each block against a travelling
-    shard whose pieces start at ``starts`` (int64, one per piece)."""
+def _blocks(call: ContextParallelCall, starts: torch.Tensor, key_len: int):
+    """(local query slice, query start, travelling key slice, key start, kind) of each block against a travelling
+    chunk of ``key_len`` keys whose pieces start at ``starts`` (int64, one per piece, equal lengths)."""
     settings = call.settings
     queries = shard_pieces(call.seq_len, call.world_size, call.rank, call.layout)
-    piece = call.local_len // len(queries)
+    starts = starts.tolist()
+    piece = key_len // len(starts)
     at = 0
     for q_start, q_len in queries:
         q_slice = slice(at, at + q_len)
         at += q_len
-        for n, k_start in enumerate(starts.tolist()):
+        for n, k_start in enumerate(starts):
             kind = block_kind(q_start, q_len, k_start, piece, is_causal=settings.is_causal, far_distance=settings.far_distance)
             yield q_slice, q_start, slice(n * piece, (n + 1) * piece), k_start, kind
 
 
-def _own_block(call: ContextParallelCall, key, value):
+def _own_chunks(call: ContextParallelCall, key, value):
+    """(local key slice, travelling block) of each of this rank's ``kv_chunks`` chunks, in the order they travel: the
+    block is [key, value, piece starts (int64), and the mask's slice when there is a mask]."""
     pieces = shard_pieces(call.seq_len, call.world_size, call.rank, call.layout)
-    starts = torch.tensor([s for s, _ in pieces], dtype=torch.int64, device=key.device)
-    return [key, value, starts] + ([] if call.mask is None else [call.mask])
+    for keys, starts in kv_chunks_of(pieces, call.kv_chunks):
+        block = [key[:, :, keys], value[:, :, keys], torch.tensor(starts, dtype=torch.int64, device=key.device)]
+        yield keys, block + ([] if call.mask is None else [call.mask[..., keys]])
 
 
 def _mask_slice(mask, keys: slice):
@@ -69,31 +76,48 @@ def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats 
     b, h, lq, _ = query.shape
     out = torch.zeros(b, h, lq, value.shape[-1], dtype=compute, device=query.device)
     lse = torch.full((b, h, lq), float("-inf"), dtype=compute, device=query.device)
-    block = _own_block(call, key, value)
-    for step in range(call.world_size):
-        pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
-        k, v, starts = block[:3]
-        mask = block[3] if len(block) > 3 else None
-        for qs, q_start, ks, k_start, kind in _blocks(call, starts):
-            if stats is not None:
-                stats.add(kind)
-            if kind == "skip":
-                continue
-            o, l = run_block(query[:, :, qs], k[:, :, ks], v[:, :, ks], _mask_slice(mask, ks), q_start, k_start, kind, call.settings)
-            merge_into(out[:, :, qs], lse[:, :, qs], o, l)
-        if pending is not None:
-            block = pending.wait()
+    for _, block in _own_chunks(call, key, value):  # one rotation of the ring per chunk
+        for step in range(call.world_size):
+            pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
+            k, v, starts = block[:3]
+            mask = block[3] if len(block) > 3 else None
+            for qs, q_start, ks, k_start, kind in _blocks(call, starts, k.shape[2]):
+                if stats is not None:
+                    stats.add(kind)
+                if kind == "skip":
+                    continue
+                o, l = run_block(query[:, :, qs], k[:, :, ks], v[:, :, ks], _mask_slice(mask, ks), q_start, k_start, kind, call.settings)
+                merge_into(out[:, :, qs], lse[:, :, qs], o, l)
+            if pending is not None:
+                block = pending.wait()
     return out, lse
 
 
 def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_out, params):
     """(dq, dk, dv in the compute dtype, bias-parameter gradients summed over the group)."""
-    channel = RingChannel(call.group) if call.world_size > 1 else None
     compute = out.dtype
     grad_out = grad_out.to(compute)
     dq = torch.zeros(query.shape, dtype=compute, device=query.device)
     dparams = [torch.zeros_like(p) for p in params]
-    block = _own_block(call, key, value)
+    if call.kv_chunks == 1:  # the whole shard's sums come home at once: they are dk and dv
+        (_, block), = _own_chunks(call, key, value)
+        dk, dv = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams)
+    else:  # each chunk's sums come home after its rotation, into their rows
+        dk = torch.empty(key.shape, dtype=compute, device=key.device)
+        dv = torch.empty(value.shape, dtype=compute, device=value.device)
+        for keys, block in _own_chunks(call, key, value):
+            dk_chunk, dv_chunk = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams)
+            dk[:, :, keys] = dk_chunk
+            dv[:, :, keys] = dv_chunk
+    return dq, dk, dv, all_reduce_sum(dparams, call.group)
+
+
+def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out, params, dq, dparams):
+    """One rotation of the backward ring for this rank's travelling ``block`` (one chunk): adds every block's dq
+    and bias-parameter shares into ``dq`` and ``dparams`` in place; returns the chunk's (dk, dv), every rank's
+    share summed."""
+    channel = RingChannel(call.group) if call.world_size > 1 else None
+    compute = out.dtype
     grads_pending = None
     for step in range(call.world_size):
         pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
@@ -104,7 +128,7 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
         else:
             dk = torch.zeros(k.shape, dtype=compute, device=k.device)
             dv = torch.zeros(v.shape, dtype=compute, device=v.device)
-        for qs, q_start, ks, k_start, kind in _blocks(call, starts):
+        for qs, q_start, ks, k_start, kind in _blocks(call, starts, k.shape[2]):
             if kind == "skip":
                 continue
             gq, gk, gv, gp = block_backward(
@@ -123,7 +147,7 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
             block = pending.wait()
     if grads_pending is not None:  # after P hops: this rank's own keys, with every rank's share
         dk, dv = grads_pending.wait()
-    return dq, dk, dv, all_reduce_sum(dparams, call.group)
+    return dk, dv
 
 
 class _RingFunction(torch.autograd.Function):

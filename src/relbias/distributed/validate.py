@@ -15,7 +15,8 @@ from .._attention_inputs import check_bias, check_qkv, resolve_convention
 from ..backends.structured import far_distance
 from ..biases.base import RelativeBias
 from .blocks import BlockSettings
-from .layout import check_layout
+from .layout import check_layout, shard_pieces
+from .plan import resolve_kv_chunks
 
 __all__ = ["STRATEGIES", "ContextParallelCall", "check_context_parallel"]
 
@@ -34,6 +35,7 @@ class ContextParallelCall:
         local_len: L/P, tokens per rank; seq_len: L.
         mask: None or the bool key padding mask shard (Bm, Hm, 1, L/P).
         settings: the :class:`relbias.distributed.blocks.BlockSettings` of every block.
+        kv_chunks: the chunks (>= 1, resolved) in which a shard's keys and values travel the ring.
     """
 
     group: dist.ProcessGroup | None
@@ -44,6 +46,7 @@ class ContextParallelCall:
     local_len: int
     mask: torch.Tensor | None
     settings: BlockSettings
+    kv_chunks: int = 1
 
     @property
     def seq_len(self) -> int:
@@ -90,6 +93,7 @@ def check_context_parallel(
     group: dist.ProcessGroup | None,
     layout: object,
     strategy: object,
+    kv_chunks: object = None,
 ) -> ContextParallelCall:
     """Validate the arguments of :func:`relbias.distributed.context_parallel_attention`.
 
@@ -143,5 +147,7 @@ def check_context_parallel(
                 "pass is_causal=True"
             )
         _check_bias_range(bias, local_len * world_size, is_causal, query.device)
+    pieces = len(shard_pieces(local_len * world_size, world_size, rank, layout))
+    chunks = resolve_kv_chunks(kv_chunks, local_len, pieces, world_size)
     settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias))
-    return ContextParallelCall(group, world_size, rank, layout, strategy, local_len, mask, settings)
+    return ContextParallelCall(group, world_size, rank, layout, strategy, local_len, mask, settings, chunks)
