@@ -98,6 +98,7 @@ def measure_rank(spec: dict) -> dict:
         else:
             out = context_parallel_attention(
                 q, k, v, bias=bias, is_causal=spec["causal"], layout=spec["layout"], strategy=spec["strategy"],
+                kv_chunks=spec["kv_chunks"],
                 stats=stats if count else None,
             )
         out.backward(grad)
@@ -210,6 +211,8 @@ def main() -> None:
     parser.add_argument("--bidirectional", action="store_true", help="bidirectional T5 encoder attention (default causal)")
     parser.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
     parser.add_argument("--strategy", default="ring", choices=["ring", "ulysses"])
+    parser.add_argument("--kv-chunks", type=int, default=None,
+                        help="ring: chunks a shard's keys and values travel in (default: the library's automatic choice)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     parser.add_argument("--timeout-s", type=int, default=1800, help="collective timeout per rank, seconds")
@@ -219,10 +222,11 @@ def main() -> None:
     args = parser.parse_args()
     spec = {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": not args.bidirectional,
             "layout": args.layout, "strategy": args.strategy, "repeats": args.repeats, "threads": args.threads,
-            "timeout_s": args.timeout_s, "backend": args.backend}
+            "kv_chunks": args.kv_chunks, "timeout_s": args.timeout_s, "backend": args.backend}
     load_before = os.getloadavg()
     print(f"context-parallel attention, T5 {'causal' if spec['causal'] else 'bidirectional'}, B={args.batch} "
-          f"H={args.heads} D={args.head_dim}, layout {args.layout}, strategy {args.strategy}, forward+backward, "
+          f"H={args.heads} D={args.head_dim}, layout {args.layout}, strategy {args.strategy}, kv_chunks "
+          f"{'auto' if args.kv_chunks is None else args.kv_chunks}, forward+backward, "
           f"{os.cpu_count()} CPUs; load average {load_before[0]:.2f} (1 min)")
     if args.torchrun:
         import torch
