@@ -86,7 +86,7 @@ def context_parallel_attention(
             instead of a whole shard, for C times as many messages of 1/C the size (the same bytes). 1: the whole
             shard at once; C > 1: a multiple of the shard's pieces (1 contiguous, 2 zigzag) whose chunks split every
             piece evenly. Default None: 1 on one rank; else 4, 2 or 1, the most that keep chunks whole and at least
-            256 tokens long. Ignored by "ulysses".
+            256 tokens long. "ulysses" only checks that it is None or an int >= 1.
 
     Returns:
         (B, H, L/P, Dv) this rank's output shard, in the dtype of ``query``; differentiable in query, key,

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._attention_inputs import check_bias, check_qkv, resolve_convention
+from .._int_args import check_int
 from ..backends.structured import far_distance
 from ..biases.base import RelativeBias
 from .blocks import BlockSettings
@@ -147,7 +148,12 @@ def check_context_parallel(
                 "pass is_causal=True"
             )
         _check_bias_range(bias, local_len * world_size, is_causal, query.device)
-    pieces = len(shard_pieces(local_len * world_size, world_size, rank, layout))
-    chunks = resolve_kv_chunks(kv_chunks, local_len, pieces, world_size)
+    if strategy == "ring":
+        pieces = len(shard_pieces(local_len * world_size, world_size, rank, layout))
+        chunks = resolve_kv_chunks(kv_chunks, local_len, pieces, world_size)
+    else:  # nothing travels the ring: the value is only type-checked
+        if kv_chunks is not None:
+            check_int("kv_chunks", kv_chunks, minimum=1)
+        chunks = 1
     settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias))
     return ContextParallelCall(group, world_size, rank, layout, strategy, local_len, mask, settings, chunks)
