@@ -41,9 +41,9 @@ def test_automatic_chunks():
 def test_explicit_chunks_are_checked():
     assert resolve_kv_chunks(6, 12, 2, world_size=2) == 6
     assert resolve_kv_chunks(1, 6, 2, world_size=2) == 1
-    with pytest.raises(ValueError, match=r"kv_chunks=3 cannot split .* 2 piece\(s\) of 6 tokens"):
+    with pytest.raises(ValueError, match=r"kv_chunks=3 cannot split .* 2 run\(s\) of 6 .* one of 1, 2, 4, 6, 12$"):
         resolve_kv_chunks(3, 12, 2, world_size=2)
-    with pytest.raises(ValueError, match=r"kv_chunks=4 cannot split .* 1 piece\(s\) of 6 tokens"):
+    with pytest.raises(ValueError, match=r"kv_chunks=4 cannot split .* 1 run\(s\) of 6 .* one of 1, 2, 3, 6$"):
         resolve_kv_chunks(4, 6, 1, world_size=2)
     with pytest.raises(ValueError, match="must be >= 1, got 0"):
         resolve_kv_chunks(0, 6, 1, world_size=2)

@@ -7,6 +7,7 @@ A block is a run of consecutive queries at positions ``[qs, qs + lq)`` against a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .._int_args import check_int
@@ -74,10 +75,13 @@ def resolve_kv_chunks(kv_chunks: object, local_len: int, num_pieces: int, world_
                 return chunks
     check_int("kv_chunks", kv_chunks, minimum=1)
     if kv_chunks > 1 and (kv_chunks % num_pieces or piece % (kv_chunks // num_pieces)):
+        divisors = sorted({d for n in range(1, math.isqrt(piece) + 1) if piece % n == 0 for d in (n, piece // n)})
+        valid = sorted({1} | {num_pieces * d for d in divisors})
+        shown = ", ".join(map(str, valid)) if len(valid) <= 12 else ", ".join(map(str, valid[:11])) + f", ..., {valid[-1]}"
+        rule = f"a divisor of {piece}" if num_pieces == 1 else f"1 or {num_pieces} x a divisor of {piece}"
         raise ValueError(
-            f"kv_chunks={kv_chunks} cannot split this rank's keys: its {num_pieces} piece(s) of {piece} tokens need "
-            f"kv_chunks = 1 or a multiple of {num_pieces} whose chunks (kv_chunks / {num_pieces} per piece) divide "
-            f"{piece}"
+            f"kv_chunks={kv_chunks} cannot split this rank's {num_pieces} run(s) of {piece} consecutive positions into "
+            f"equal chunks (each within one run); kv_chunks must be {rule}: one of {shown}"
         )
     return kv_chunks
 
