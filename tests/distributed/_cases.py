@@ -107,6 +107,10 @@ REFUSALS = {
     "kv_chunks_not_dividing": ("ValueError", "kv_chunks=8 cannot split"),
     "kv_chunks_zero": ("ValueError", "kv_chunks must be >= 1, got 0"),
     "kv_chunks_not_int": ("TypeError", "kv_chunks must be an int"),
+    # settings that differ between ranks: one gather compares them, and every rank raises (no abort, no hang)
+    "kv_chunks_differ_across_ranks": ("ValueError", "different shapes or settings to context-parallel attention"),
+    "mask_on_some_ranks": ("ValueError", "mask (batch, 0: none): [1, 0"),
+    "scale_differs_across_ranks": ("ValueError", "scale: [0.5, 0.25"),
 }
 
 
@@ -207,6 +211,12 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["kv_chunks"] = 0
     elif name == "kv_chunks_not_int":
         kwargs["kv_chunks"] = 2.0
+    elif name == "kv_chunks_differ_across_ranks":
+        kwargs["kv_chunks"] = 1 if rank == 0 else 2
+    elif name == "mask_on_some_ranks":
+        kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2], dtype=torch.bool) if rank == 0 else None
+    elif name == "scale_differs_across_ranks":
+        kwargs["scale"] = 0.5 if rank == 0 else 0.25
     elif name.endswith("_double_backward"):  # a gradient penalty: refused on every rank before communicating
         q = q.requires_grad_(True)
         kwargs.update(bias=relbias.T5Bias(H), strategy=name.split("_")[0])

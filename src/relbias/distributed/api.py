@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ..biases.base import RelativeBias
+from .agree import check_ranks_agree
 from .plan import RingStats
 from .ring import ring_attention
 from .ulysses import ulysses_attention
@@ -103,8 +104,9 @@ def context_parallel_attention(
             evenly; local query and key lengths that differ; an odd local length with "zigzag" (L not divisible
             by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped (B or 1, H or 1, 1, L/P); a causal-only bias without ``is_causal``; a bias that cannot evaluate the
             sequence's offsets (per-offset table shorter than L, ``out_of_range="error"``); the errors of
-            :func:`relbias.attention`. Every rank raises alike, before any communication (shapes and settings
-            must be equal on every rank).
+            :func:`relbias.attention`; ranks that passed different shapes or settings (one ``all_gather`` of
+            a few integers compares them before any keys travel; the message names each setting and every rank's
+            value). Every rank raises alike, before keys or values are exchanged.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -117,6 +119,7 @@ def context_parallel_attention(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks,
     )
+    check_ranks_agree(call, query, value)
     if call.strategy == "ring":
         return ring_attention(call, query, key, value, stats)
     return ulysses_attention(call, query, key, value)

@@ -111,6 +111,11 @@ def check_context_parallel(
             "torch.distributed.init_process_group first (e.g. under torchrun)"
         )
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of the process group it passed as group=; "
+            f"only the group's ranks call context-parallel attention over it"
+        )
     check_qkv(query, key, value)
     b, h, local_len, d = query.shape
     if key.shape[2] != local_len:
