@@ -39,7 +39,8 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, par
     """
     new = torch.logaddexp(lse, part_lse.to(lse.dtype))
     safe = new.masked_fill(new == _NEG_INF, 0.0)  # rows with no key in either: both weights exp(-inf) = 0
-    out.mul_(torch.exp(lse - safe)[..., None]).add_(part_out.to(out.dtype) * torch.exp(part_lse.to(lse.dtype) - safe)[..., None])
+    weight = torch.exp(part_lse.to(lse.dtype) - safe)[..., None]
+    out.mul_(torch.exp(lse - safe)[..., None]).addcmul_(part_out.to(out.dtype), weight)  # no (Lq, Dv) temporary
     lse.copy_(new)
 
 
