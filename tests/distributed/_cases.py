@@ -111,6 +111,7 @@ REFUSALS = {
     "kv_chunks_differ_across_ranks": ("ValueError", "different shapes or settings to context-parallel attention"),
     "mask_on_some_ranks": ("ValueError", "mask (batch, 0: none): [1, 0"),
     "scale_differs_across_ranks": ("ValueError", "scale: [0.5, 0.25"),
+    "dtype_differs_across_ranks": ("ValueError", "dtype: ['torch.float32', 'torch.float64'"),
 }
 
 
@@ -217,6 +218,8 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2], dtype=torch.bool) if rank == 0 else None
     elif name == "scale_differs_across_ranks":
         kwargs["scale"] = 0.5 if rank == 0 else 0.25
+    elif name == "dtype_differs_across_ranks":
+        q = q if rank == 0 else q.double()
     elif name.endswith("_double_backward"):  # a gradient penalty: refused on every rank before communicating
         q = q.requires_grad_(True)
         kwargs.update(bias=relbias.T5Bias(H), strategy=name.split("_")[0])

@@ -9,6 +9,7 @@ naming the setting and each rank's value, on every rank.
 from __future__ import annotations
 
 import struct
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,12 @@ from .validate import STRATEGIES, ContextParallelCall
 
 __all__ = ["check_ranks_agree"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+def _dtype_code(dtype: torch.dtype) -> int:
+    """The same int for the same dtype in every process (a checksum of its name)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+_DTYPE_NAMES = {_dtype_code(d): str(d) for d in vars(torch).values() if isinstance(d, torch.dtype)}
 
 
 def _bits(x: float) -> int:
@@ -31,7 +37,7 @@ def _float(bits: int) -> float:
 
 
 #: how the message shows a setting's int (the others: as it is)
-_SHOWN = {"dtype": lambda i: str(_DTYPES[i]), "layout": LAYOUTS.__getitem__, "strategy": STRATEGIES.__getitem__,
+_SHOWN = {"dtype": lambda code: _DTYPE_NAMES.get(code, code), "layout": LAYOUTS.__getitem__, "strategy": STRATEGIES.__getitem__,
           "is_causal": bool, "scale": _float}
 
 
@@ -41,7 +47,7 @@ def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tenso
     bias, mask, settings = call.settings.bias, call.mask, call.settings
     return {
         "batch": b, "num_heads": h, "local length (L/P)": local_len, "head_dim": d, "value head_dim": value.shape[-1],
-        "dtype": _DTYPES.index(query.dtype), "layout": LAYOUTS.index(call.layout),
+        "dtype": _dtype_code(query.dtype), "layout": LAYOUTS.index(call.layout),
         "strategy": STRATEGIES.index(call.strategy), "is_causal": int(settings.is_causal),
         "scale": _bits(settings.scale), "bias (num_heads, 0: none)": 0 if bias is None else bias.num_heads,
         "mask (batch, 0: none)": 0 if mask is None else mask.shape[0],
