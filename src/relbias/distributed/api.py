@@ -102,8 +102,9 @@ def context_parallel_attention(
             ``is_causal``.
         ValueError: an unknown ``layout`` or ``strategy``; a ``kv_chunks`` below 1 or not splitting the pieces
             evenly; local query and key lengths that differ; an odd local length with "zigzag" (L not divisible
-            by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped (B or 1, H or 1, 1, L/P); a causal-only bias without ``is_causal``; a bias that cannot evaluate the
-            sequence's offsets (per-offset table shorter than L, ``out_of_range="error"``); the errors of
+            by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped (B or 1, H or 1, 1, L/P); a causal-only
+            bias without ``is_causal``; a bias that cannot evaluate the sequence's offsets (per-offset table
+            shorter than L, ``out_of_range="error"``); a process outside ``group``; the errors of
             :func:`relbias.attention`; ranks that passed different shapes or settings (one ``all_gather`` of
             a few integers compares them before any keys travel; the message names each setting and every rank's
             value). Every rank raises alike, before keys or values are exchanged.
