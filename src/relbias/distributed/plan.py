@@ -69,21 +69,31 @@ def resolve_kv_chunks(kv_chunks: object, local_len: int, num_pieces: int, world_
     if kv_chunks is None:
         if world_size == 1:
             return 1
-        for chunks in (MAX_AUTO_KV_CHUNKS, 2, 1):
-            per_piece, left = divmod(chunks, num_pieces)
-            if chunks == 1 or (not left and piece % per_piece == 0 and piece // per_piece >= MIN_AUTO_CHUNK_TOKENS):
+        for chunks in (MAX_AUTO_KV_CHUNKS, 2):
+            size = _chunk_tokens(chunks, piece, num_pieces)
+            if size is not None and size >= MIN_AUTO_CHUNK_TOKENS:
                 return chunks
+        return 1
     check_int("kv_chunks", kv_chunks, minimum=1)
-    if kv_chunks > 1 and (kv_chunks % num_pieces or piece % (kv_chunks // num_pieces)):
-        divisors = sorted({d for n in range(1, math.isqrt(piece) + 1) if piece % n == 0 for d in (n, piece // n)})
+    if _chunk_tokens(kv_chunks, piece, num_pieces) is None:
+        divisors = {d for n in range(1, math.isqrt(piece) + 1) if piece % n == 0 for d in (n, piece // n)}
         valid = sorted({1} | {num_pieces * d for d in divisors})
-        shown = ", ".join(map(str, valid)) if len(valid) <= 12 else ", ".join(map(str, valid[:11])) + f", ..., {valid[-1]}"
+        shown = ", ".join(map(str, valid if len(valid) <= 12 else valid[:11] + ["...", valid[-1]]))
         rule = f"a divisor of {piece}" if num_pieces == 1 else f"1 or {num_pieces} x a divisor of {piece}"
         raise ValueError(
             f"kv_chunks={kv_chunks} cannot split this rank's {num_pieces} run(s) of {piece} consecutive positions into "
             f"equal chunks (each within one run); kv_chunks must be {rule}: one of {shown}"
         )
     return kv_chunks
+
+
+def _chunk_tokens(chunks: int, piece: int, num_pieces: int) -> int | None:
+    """Tokens per chunk when ``chunks`` splits a shard of ``num_pieces`` runs of ``piece`` positions: 1 chunk is the
+    whole shard; more must split every run into as many equal chunks. None where they do not."""
+    if chunks == 1:
+        return piece * num_pieces
+    per_piece, left = divmod(chunks, num_pieces)
+    return piece // per_piece if not left and piece % per_piece == 0 else None
 
 
 def kv_chunks_of(pieces: list[tuple[int, int]], chunks: int) -> list[tuple[slice, list[int]]]:
