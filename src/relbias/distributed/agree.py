@@ -19,6 +19,7 @@ from .validate import STRATEGIES, ContextParallelCall
 
 __all__ = ["check_ranks_agree"]
 
+
 def _dtype_code(dtype: torch.dtype) -> int:
     """The same int for the same dtype in every process (a checksum of its name)."""
     return zlib.crc32(str(dtype).encode())
@@ -37,8 +38,8 @@ def _float(bits: int) -> float:
 
 
 #: how the message shows a setting's int (the others: as it is)
-_SHOWN = {"dtype": lambda code: _DTYPE_NAMES.get(code, code), "layout": LAYOUTS.__getitem__, "strategy": STRATEGIES.__getitem__,
-          "is_causal": bool, "scale": _float}
+_SHOWN = {"dtype": lambda code: _DTYPE_NAMES.get(code, code), "layout": LAYOUTS.__getitem__,
+          "strategy": STRATEGIES.__getitem__, "is_causal": bool, "scale": _float}
 
 
 def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tensor) -> dict[str, int]:
