@@ -13,14 +13,10 @@ and the bias gradient's diagonal sums formed in one elementwise pass per tile (a
 compiler vectorises) between single-threaded GEMMs. The Python version makes about eight elementwise passes per
 tile. Results are deterministic (the per-(batch, head) bias-gradient rows are summed in a fixed order).
 
-Both kernels are one extension module (``csrc/*.cpp`` and the shared ``csrc/toeplitz_common.h``).
-
-Building: :func:`torch.utils.cpp_extension.load` (needs a C++ compiler with OpenMP and the ``ninja`` package), with
-``-O3 -march=native -fopenmp``, once per machine kind into ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default
-``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is respected), in a folder named after the torch and
-Python versions, a hash of the CPU's feature flags and a hash of every source and the flags: a build for one CPU is
-never loaded on another. The first call pays the build (about a minute on 2 cores, once); later processes load it
-(0.2 s).
+Both kernels are one extension module (``csrc/*.cpp`` and the shared ``csrc/toeplitz_common.h``), obtained by
+:func:`relbias.backends._native_build.build`: an ahead-of-time module installed with the package, else a build on
+first use (``-O3 -march=native -fopenmp``, cached per machine kind; the first build, about a minute on 2 cores, is
+announced through :mod:`logging`), else, for a compiler without OpenMP, a single-threaded build.
 
 Fallback: when the build or load fails, or the environment sets ``RELBIAS_NATIVE=0``, or the inputs are not CPU
 float32 / float64, :func:`backward` runs the Python ``tiled_backward`` (same results up to rounding) and
@@ -30,87 +26,30 @@ kernel (``RuntimeWarning`` naming the error), the explicit ``RELBIAS_NATIVE=0`` 
 
 from __future__ import annotations
 
-import hashlib
 import os
-import platform
-import sys
 import threading
 import warnings
-from pathlib import Path
 
 import torch
 
+from ._native_build import build as _build
 from ._toeplitz_backward import tiled_backward
 
 __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
-    "native_backward", "native_forward", "native_unavailable_reason", "read_in_place", "rows_layout",
+    "native_backward", "native_forward", "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout",
 ]
 
-_CSRC = Path(__file__).with_name("csrc")
-#: Compiled into the one module (the backward's file defines the Python bindings of both).
-_SOURCES = (_CSRC / "toeplitz_backward.cpp", _CSRC / "toeplitz_forward.cpp")
-#: Hashed with the sources into the cache key (included, not compiled).
-_HEADERS = (_CSRC / "toeplitz_common.h",)
 #: The native forward's query rows and keys per tile (tokens), each capped by the call's ``block_q``
 #: (:func:`forward_tiles`). Measured at 4096 tokens (B=1, H=8, D=64, float32, 1 thread, a shared 2-core machine, so
 #: roughly): 128 x 256 tiles ran 1.3-1.7x bias-free SDPA causal; 256 x 512 1.0-1.08x causal and bidirectional (T5,
 #: ALiBi), where the flash path ran 1.07-1.22x.
 FORWARD_TILE_Q = 256
 FORWARD_TILE_K = 512
-#: -fopenmp: at::parallel_for is an inline template that runs serially unless compiled with OpenMP; the extension's
-#: libgomp.so.1 resolves (by soname) to the one torch loaded, so it shares torch's threads and their denormal mode.
-_CFLAGS = ("-O3", "-march=native", "-fopenmp")
-_LDFLAGS = ("-fopenmp",)
 _LOCK = threading.Lock()
-_loaded: dict[str, object] = {}  # "module" or "error" once the build was tried
+_loaded: dict[str, object] = {}  # "module" and "variant", or "error", once the build was tried
 _warned: set[tuple[str, str]] = set()  # (what fell back, why): warned once
 _OPT_OUT = "RELBIAS_NATIVE=0 is set"
-
-
-def _cpu_key() -> str:
-    """A hash of what the CPU can execute: the ``flags`` (x86) or ``Features`` (Arm) line of /proc/cpuinfo, else
-    the platform's processor name."""
-    text = ""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.split(":", 1)[0].strip() in ("flags", "Features"):
-                    text = line
-                    break
-    except OSError:
-        pass
-    text = text or f"{platform.machine()} {platform.processor()}"
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _build_directory(source_hash: str) -> Path:
-    """The build folder for this torch, Python, CPU and source (created)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root:
-        base = Path(root) / "relbias"
-    else:
-        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        base = Path(cache) / "relbias" / "torch_extensions"
-    name = (f"toeplitz_native-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
-            f"-cpu{_cpu_key()}-src{source_hash}")
-    folder = base / name.replace("+", "_")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
-def _build():
-    from torch.utils import cpp_extension
-
-    digest = hashlib.sha256()
-    for path in _SOURCES + _HEADERS:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    digest.update(" ".join(_CFLAGS + _LDFLAGS).encode())
-    source_hash = digest.hexdigest()[:16]
-    return cpp_extension.load(
-        name=f"relbias_toeplitz_native_{source_hash}", sources=[str(p) for p in _SOURCES], extra_cflags=list(_CFLAGS),
-        extra_ldflags=list(_LDFLAGS), build_directory=str(_build_directory(source_hash)), verbose=False,
-    )
 
 
 def load_native():
@@ -131,10 +70,17 @@ def native_unavailable_reason() -> str | None:
         with _LOCK:
             if not _loaded:
                 try:
-                    _loaded["module"] = _build()
+                    _loaded["module"], _loaded["variant"] = _build()
                 except Exception as error:  # no compiler, no ninja, a compile error: the Python version runs
                     _loaded["error"] = f"building it failed ({type(error).__name__}: {str(error).strip()[:500]})"
     return _loaded.get("error")
+
+
+def native_variant() -> str | None:
+    """Which build of the kernels runs (e.g. ``"ahead-of-time build for x86_64_v4"``, ``"built on first use
+    (-march=native, OpenMP)"``), or None where none does (:func:`native_unavailable_reason` says why); the first call
+    builds or loads it."""
+    return None if native_unavailable_reason() is not None else _loaded["variant"]
 
 
 def _fall_back(reason: str, what: str = "backward runs in Python") -> None:

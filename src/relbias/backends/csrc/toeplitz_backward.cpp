@@ -215,4 +215,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("toeplitz_forward", &toeplitz_forward, "toeplitz forward (out, lse), fused (toeplitz_forward.cpp)",
         py::call_guard<py::gil_scoped_release>());
   m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
+#ifdef RELBIAS_SOURCE_DIGEST  // an ahead-of-time build (setup.py): the digest of the sources it was built from
+#define RELBIAS_STRINGIFY_(x) #x
+#define RELBIAS_STRINGIFY(x) RELBIAS_STRINGIFY_(x)
+  m.attr("source_digest") = RELBIAS_STRINGIFY(RELBIAS_SOURCE_DIGEST);
+#endif
 }
