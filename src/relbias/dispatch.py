@@ -64,15 +64,21 @@ def explain_backend(
     scale: float | None = None,
     convention: str | None = None,
     query_start: int | None = None,
-    key_start: int = 0,
+    key_start: int | torch.Tensor = 0,
     backend: str = "auto",
+    return_lse: bool = False,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> tuple[str, str]:
     """Which backend :func:`relbias.attention` would run for these arguments, and why; runs nothing.
 
     Args:
-        query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start: as
-            :func:`relbias.attention`.
+        query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start, return_lse,
+            dropout_p: as :func:`relbias.attention` (every argument it takes, so a training call with dropout
+            is named as it runs).
         backend: "auto" (default) or a name in :data:`relbias.backends.BACKENDS`.
+        generator: as :func:`relbias.attention`, type-checked only: no seed is drawn from it (nor from torch's
+            global RNG), so asking does not change the masks that later calls draw.
 
     Returns:
         (name, reason): the backend that runs the call and a sentence saying why (for "auto", also why
@@ -91,10 +97,14 @@ def explain_backend(
         >>> padding = torch.ones(1, 1, 1, 4096, dtype=torch.bool)  # a key padding mask
         >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=padding)[0]
         'structured'
+        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), dropout_p=0.1)[0]  # training with dropout
+        'blockwise'
     """
+    # the seed does not steer the choice: draw it from a throwaway generator (a non-generator still raises)
+    probe = torch.Generator() if isinstance(generator, torch.Generator) or generator is None else generator
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-        query_start=query_start, key_start=key_start,
+        query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=probe,
     )
     chosen, reason = resolve_backend(backend, call)
     return chosen.name, reason

@@ -155,3 +155,31 @@ def test_structured_batches_interior_band_blocks(monkeypatch, small_tiles):
     ref_q = q.detach().requires_grad_()
     relbias.attention(ref_q, k.detach(), v.detach(), bias=bias, backend="reference").sum().backward()
     torch.testing.assert_close(q.grad, ref_q.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_explain_backend_takes_every_argument_of_attention():
+    import inspect
+
+    takes = inspect.signature(relbias.explain_backend).parameters
+    for name, parameter in inspect.signature(relbias.attention).parameters.items():
+        assert name in takes and takes[name].default == parameter.default, name
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dropout_p": 0.1}, {"dropout_p": 0.1, "is_causal": True}, {"return_lse": True}, {"is_causal": True},
+], ids=str)
+def test_explain_backend_names_the_backend_that_runs_a_training_call(monkeypatch, kwargs):
+    """With dropout (the fused backends refuse it) and without: the named backend is the one whose forward runs,
+    and asking draws no dropout seed (the global RNG and a passed generator are left as they were)."""
+    ran = []
+    for name, backend in relbias.backends.BACKENDS.items():
+        monkeypatch.setattr(backend, "forward", lambda call, _f=backend.forward, _n=name: ran.append(_n) or _f(call))
+    q, k, v = (torch.randn(1, 2, 1024, 16, requires_grad=True) for _ in range(3))
+    bias = relbias.T5Bias(2, bidirectional=not kwargs.get("is_causal", False))
+    generator = torch.Generator().manual_seed(1)
+    global_state, generator_state = torch.get_rng_state(), generator.get_state()
+    name, _ = relbias.explain_backend(q, k, v, bias=bias, generator=generator, **kwargs)
+    assert torch.equal(torch.get_rng_state(), global_state) and torch.equal(generator.get_state(), generator_state)
+    relbias.attention(q, k, v, bias=bias, generator=generator, **kwargs)
+    assert ran == [name]
+    assert (name == "toeplitz") != ("dropout_p" in kwargs)  # the fused kernels draw no dropout mask
