@@ -163,10 +163,29 @@ def check_mask(mask: torch.Tensor | None, query: torch.Tensor, target: tuple[int
             f"(True = may attend)"
         )
     check_broadcast("mask", mask, target, "(batch, num_heads, query_len, key_len)")
-    if mask.is_floating_point() and not torch.compiler.is_compiling() and bool(
-        (torch.isnan(mask) | (mask == float("inf"))).any()
-    ):
-        raise ValueError("a float mask may hold finite values and -inf only; it contains NaN or +inf")
+    check_additive_mask(mask, "mask", "a 0/1 keep mask (Hugging Face's attention_mask, 1 = attend) is passed as "
+                                      "mask.bool() (True = may attend)")
+
+
+def check_additive_mask(mask: torch.Tensor, name: str, advice: str) -> None:
+    """A float ``mask`` is additive: finite values and -inf, and not only 0s and 1s with a 1 among them (a 0/1 keep
+    or padding mask passed as float would add +1 to some logits and mask nothing). One pass over the mask (its
+    minimum and maximum; the 0/1 test only where they are 0 and 1), never over the activations; skipped while
+    compiling. ``advice`` says how to pass a 0/1 mask instead.
+
+    Raises:
+        ValueError: NaN or +inf in ``mask``, or a mask of 0s and 1s only (naming ``name`` and the ``advice``).
+    """
+    if not mask.is_floating_point() or mask.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = (float(x) for x in torch.aminmax(mask.detach()))
+    if math.isnan(high) or high == float("inf"):
+        raise ValueError(f"a float {name} may hold finite values and -inf only; it contains NaN or +inf")
+    if high == 1.0 and low >= 0.0 and bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(
+            f"a float {name} is additive (added to the scores, -inf = masked), but this one holds only 0s and 1s, "
+            f"so it would mask nothing; {advice}"
+        )
 
 
 def check_call(

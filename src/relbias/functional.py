@@ -100,7 +100,8 @@ def attention(
             a non-float bias tensor, non-int positions, a non-bool ``return_lse``, a ``generator`` that is not a torch.Generator.
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
-            nor H; a non-finite bias tensor; a float mask with NaN or +inf; a non-positive scale, or a
+            nor H; a non-finite bias tensor; a float mask with NaN or +inf, or of only 0s and 1s (a 0/1 keep mask
+            is passed as ``mask.bool()``); a non-positive scale, or a
             scale other than 1 with "t5"; an unknown convention or backend; ``dropout_p`` outside [0, 1);  a named backend that cannot
             run the call (the message says why); arguments on different
             devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .._attention_inputs import check_additive_mask
 from ..backends import BACKENDS
 from ..biases.base import CONVENTIONS, RelativeBias
 from ..functional import attention, attention_with_weights
@@ -215,12 +216,14 @@ class MultiheadAttention(nn.Module):
                 memory (then reused, and any key/value given is ignored).
             value: vdim features, same length as ``key``; default ``key``.
             key_padding_mask: (B, S) (or (S,) unbatched); bool, **True marks a padding key to ignore**,
-                or float, added to the scores (as torch).
+                or float, added to the scores (as torch; a float mask of only 0s and 1s is refused: it would mask
+                nothing, so it is a 0/1 padding mask passed in the wrong dtype).
             need_weights: also return the attention weights (default True, as torch). They are
                 materialised by the reference backend, O(B·H·Lq·S) memory, and the output then comes
                 from that same pass; pass False for the configured (memory-lean) backend.
             attn_mask: (Lq, S) or (B·H, Lq, S); bool, **True = NOT allowed** (as torch), or float,
-                added to the scores (-inf to mask). With a self-attention cache, S includes the cached keys.
+                added to the scores (-inf to mask; only 0s and 1s is refused, as for key_padding_mask). With a
+                self-attention cache, S includes the cached keys.
             average_attn_weights: weights averaged over heads (B, Lq, S) when True (default), per head
                 (B, H, Lq, S) otherwise. Only with ``need_weights``.
             is_causal: hide keys at positions after the query's (absolute positions, as below). Unlike
@@ -462,6 +465,8 @@ class MultiheadAttention(nn.Module):
                 )
             if kpm.device != q.device:
                 raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {q.device}")
+            check_additive_mask(kpm, "key_padding_mask", "pass (mask == 0) where 1 marks a kept token (Hugging "
+                                "Face's attention_mask), or mask.bool() where 1 marks padding (True = padding)")
             parts.append(kpm.reshape(batch, 1, 1, s_len))
         if attn_mask is not None:
             if not isinstance(attn_mask, torch.Tensor) or not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
@@ -469,6 +474,8 @@ class MultiheadAttention(nn.Module):
                 raise TypeError(f"attn_mask must be a bool (True = NOT allowed) or float (additive) tensor, got {kind}")
             if attn_mask.device != q.device:
                 raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}")
+            check_additive_mask(attn_mask, "attn_mask", "pass mask.bool() where 1 marks a pair that may not attend "
+                                "(True = NOT allowed), or (mask == 0) where 1 marks one that may")
             per_head = (batch * self.num_heads, q_len, s_len)
             if tuple(attn_mask.shape) == (q_len, s_len):
                 parts.append(attn_mask.reshape(1, 1, q_len, s_len))
