@@ -194,7 +194,7 @@ def _context_parallel_attention(module, query, key, value, attention_mask, dropo
             "the shards of one sequence cannot grow token by token; generate with a model patched without "
             "process_group (the same weights) on one rank"
         )
-    if kwargs.get("output_attentions"):
+    if _wants_weights(module, kwargs):
         raise NotImplementedError(
             "output_attentions=True is not supported under patch_t5(process_group=...) (the weights would span every "
             "rank's keys)"
@@ -250,7 +250,8 @@ def relbias_t5_attention(
 
     Returns:
         (output (B, Lq, H, D) contiguous, weights): weights None, or (B, H, Lq, Lk) attention probabilities when
-        transformers passes ``output_attentions=True`` (materialised by :func:`relbias.attention_with_weights`:
+        transformers records them: ``output_attentions=True`` passed to the call, or set on the model's config
+        (materialised by :func:`relbias.attention_with_weights`:
         O(B·H·Lq·Lk) memory; the fast backends run otherwise).
 
     Raises:
@@ -279,13 +280,24 @@ def relbias_t5_attention(
         query_start=position_bias.query_start, key_start=0,
         dropout_p=float(dropout) if module.training else 0.0,  # transformers passes 0 outside training
     )
-    if kwargs.get("output_attentions"):  # asked for: materialised (O(B·H·Lq·Lk)), as transformers' eager path
-        out, weights = attention_with_weights(query, key, value, **call)  # (B, H, Lq, D), (B, H, Lq, Lk)
+    if _wants_weights(module, kwargs):  # asked for: materialised (O(B·H·Lq·Lk)), as transformers' eager path
+        _, weights = attention_with_weights(query, key, value, **call)  # (B, H, Lq, Lk), dropout applied
+        out = weights @ value  # (B, H, Lq, D) from the returned weights, as eager: their .grad sees the output
         return out.transpose(1, 2).contiguous(), weights
     # No backend given: relbias.attention's own default ("auto" where relbias has the dispatcher).
     backend = {} if position_bias.backend is None else {"backend": position_bias.backend}
     out = attention(query, key, value, **call, **backend)  # (B, H, Lq, D)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
+
+
+def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
+    """Whether transformers records this layer's attention weights: ``output_attentions`` passed down with the
+    call, else the stack's config's (transformers' output recorder reads ``config.output_attentions`` of the stack,
+    set before or after patching, without passing it to the attention function)."""
+    if kwargs.get("output_attentions") is not None:
+        return bool(kwargs["output_attentions"])
+    config = getattr(module, "_relbias_stack_config", None) or getattr(module, "config", None)
+    return bool(getattr(config, "output_attentions", False))
 
 
 def _family(model: nn.Module) -> tuple[str, type]:
@@ -455,6 +467,7 @@ def patch_t5(
         for module, bias in zip(attentions, biases.stack(name)):
             state.configs.append((module, module.config))
             module.config = patched_config
+            module._relbias_stack_config = getattr(model, name).config  # what transformers' recorder reads
             if module.has_relative_attention_bias:
                 module.compute_bias = functools.partial(_compute_bias, module, bias, state)
                 state.hooked.append(module)
@@ -487,6 +500,7 @@ def unpatch_t5(model: nn.Module) -> nn.Module:
         raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_t5)")
     for module, config in state.configs:
         module.config = config
+        del module._relbias_stack_config
     for module in state.hooked:
         del module.compute_bias  # the instance attribute; the class method shows through again
     for handle in state.handles:
