@@ -9,6 +9,8 @@ import torch
 
 import relbias
 
+from ._tolerance import assert_rounding_close
+
 PATHS = [("reference", 12), ("blockwise", 12), ("decode", 3)]  # (backend, query length)
 
 
@@ -110,6 +112,7 @@ def test_backends_that_plan_from_int_positions_refuse_tensor_positions_while_com
     with torch.no_grad():
         got = torch.compile(f, fullgraph=True)(q, k, k, torch.tensor(2900))
         want = relbias.attention(q, k, k, bias=bias, is_causal=True, query_start=2900, backend="reference")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # inductor's generated code against eager ATen kernels: other summation orders over up to 4000 keys
+    assert_rounding_close(got, want, n=4000)
     for name, reasons in seen.items():
         assert any("the positions are tensors" in reason for reason in reasons), (name, reasons)

@@ -20,6 +20,7 @@ from relbias.backends._toeplitz_kernel import _forward_impl
 from relbias.backends._toeplitz_view import future_offsets, reversed_bias
 from relbias.biases import make_bias
 
+from .._tolerance import assert_rounding_close
 from ._toeplitz_cases import family_bias, run_with_grads
 
 B, H, D = 2, 3, 8
@@ -162,9 +163,14 @@ def test_non_contiguous_inputs_are_read_in_place_and_give_contiguous_gradients(l
     assert all(_toeplitz_native.rows_layout(t) is t for t in strided[:5])  # no copy
     got = _toeplitz_native.native_backward(*strided, plan, blas=blas)
     want = _toeplitz_native.native_backward(*args, plan, blas=blas)
-    for g, w in zip(got, want):
+    # Other strides are another code path: the GEMMs get other leading dimensions, and rows that start off a vector
+    # boundary ("padded") take the -march=native loops' unaligned paths, so the sums round differently. The longest
+    # sum: grad_w over the batch and a diagonal of 20 pairs.
+    for name, g, w in zip(["dq", "dk", "dv", "grad_w"], got, want):
         assert g.is_contiguous() and g.shape == w.shape
-        assert torch.equal(g, w)
+        if name == "grad_w":  # future offsets: unspecified values
+            g, w = _visible(g, 0, 20, True), _visible(w, 0, 20, True)
+        assert_rounding_close(g, w, n=B * 20, msg=lambda m: f"{name}: {m}")
 
 
 def test_rows_closer_than_head_dim_are_copied():
@@ -176,6 +182,8 @@ def test_rows_closer_than_head_dim_are_copied():
     plan = {"scale": 0.3, "delta": 0, "is_causal": False, "tile_q": 4, "tile_k": 4}
     got = _toeplitz_native.native_forward(row.expand(B, H, 9, D), broadcast, broadcast, w, plan)
     want = _toeplitz_native.native_forward(*(broadcast.contiguous() for _ in range(3)), w, plan)
+    # The same code path on both sides: rows_layout hands the kernel a fresh contiguous copy of each broadcast, as
+    # the caller's .contiguous() does (same values, strides and the CPU allocator's 64-byte alignment).
     assert all(torch.equal(g, x) for g, x in zip(got, want))
 
 
@@ -371,8 +379,11 @@ def test_native_forward_takes_non_contiguous_inputs(layout):
     assert all(_toeplitz_native.rows_layout(t) is t for t in strided)  # no copy
     got = _toeplitz_native.forward(*strided, w, plan)
     want = _toeplitz_native.forward(q, k, v, w, plan)
+    # Other strides round differently (other GEMM leading dimensions, unaligned rows); the longest sum is over the
+    # 20 keys.
     for g, x in zip(got, want):
-        assert g.is_contiguous() and torch.equal(g, x)
+        assert g.is_contiguous() and g.shape == x.shape
+        assert_rounding_close(g, x, n=20)
 
 
 def test_relbias_native_0_runs_the_flash_forward(monkeypatch):

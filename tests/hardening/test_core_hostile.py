@@ -11,6 +11,8 @@ import torch
 import relbias
 from relbias import PerOffsetBias, T5Bias
 
+from .._tolerance import assert_rounding_close
+
 
 def _qkv(b=2, h=2, lq=4, lk=6, d=3, dtype=torch.float32):
     return torch.randn(b, h, lq, d, dtype=dtype), torch.randn(b, h, lk, d, dtype=dtype), torch.randn(b, h, lk, d, dtype=dtype)
@@ -82,7 +84,9 @@ def test_non_contiguous_and_expanded_tensors_equal_their_contiguous_copies():
     out = relbias.attention(qt, kx, vs, bias=bias, is_causal=True)
     ref = relbias.attention(q.contiguous(), kx.contiguous(), vs.contiguous(), bias=bias, is_causal=True)
     assert not qt.is_contiguous() and not vs.is_contiguous()
-    assert torch.equal(out, ref)
+    # other strides are another layout for the kernels (other GEMM leading dimensions, other vector alignment):
+    # equal to float32 rounding of the 6-key sums
+    assert_rounding_close(out, ref, n=6)
 
 
 def test_nan_and_inf_inputs_propagate_only_where_read():
@@ -123,6 +127,7 @@ def test_per_offset_beyond_the_table_in_attention_and_with_clipping():
     with torch.no_grad():
         longer.weight[:8] = clipped.weight
         longer.weight[8:] = clipped.weight[7]
+    # the same kernel on the same per-offset values (a clipped gather and the copies read the same rows): exact
     torch.testing.assert_close(out, relbias.attention(q, k, v, bias=longer, is_causal=True), rtol=0, atol=0)
 
 

@@ -12,6 +12,8 @@ import torch
 import relbias
 from relbias.nn import KVCache, MultiheadAttention, StaticKVCache
 
+from .._tolerance import assert_rounding_close
+
 
 def _layer(**kwargs):
     torch.manual_seed(1)
@@ -159,8 +161,11 @@ def test_expanded_and_non_contiguous_inputs_equal_contiguous_copies():
     x = torch.randn(1, 5, 8).expand(3, -1, -1)  # stride 0 over batch
     y = torch.randn(5, 3, 8).transpose(0, 1)  # (3, 5, 8), non-contiguous
     assert not x.is_contiguous() and not y.is_contiguous()
-    torch.testing.assert_close(_out(layer, x), _out(layer, x.contiguous()), rtol=0, atol=1e-7)
-    torch.testing.assert_close(_out(layer, y), _out(layer, y.contiguous()), rtol=0, atol=1e-7)
+    # Other strides reach the projections' GEMMs and the attention kernel as other layouts (another BLAS kernel or
+    # a copy, other vector alignment), so the sums may round differently: equal to float32 rounding of the
+    # longest sum (the embedding width 8 or the 5 keys).
+    assert_rounding_close(_out(layer, x), _out(layer, x.contiguous()), n=8)
+    assert_rounding_close(_out(layer, y), _out(layer, y.contiguous()), n=8)
 
 
 @pytest.mark.parametrize(

@@ -13,12 +13,15 @@ pytest.importorskip("transformers", reason="transformers is not installed (the '
 from relbias.integrations import transformers as integration  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, is_patched, patch_t5, unpatch_t5  # noqa: E402
 
+from .._tolerance import assert_rounding_close  # noqa: E402
+
 try:
     integration.check_transformers_version()
 except RuntimeError:
     pytest.skip(f"the installed transformers is outside {SUPPORTED_TRANSFORMERS}", allow_module_level=True)
 
-ATOL = 1e-5  # fp32, max abs difference, as test_patch_t5
+#: The longest sum in the tiny models, as test_patch_t5: d_ff = 64 features (keys: at most 40).
+N_SUM = 64
 # family -> (class-name prefix, attention implementations the model accepts: Switch Transformers has no SDPA path)
 FAMILIES = {
     "switch_transformers": ("SwitchTransformers", ("eager",)),
@@ -28,7 +31,9 @@ CASES = [(family, impl) for family, (_, impls) in FAMILIES.items() for impl in i
 
 
 def close(got, want):
-    torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    """Patched against unpatched (other attention kernels): equal to float32 rounding of the longest sum, scaled by
+    the compared tensor's magnitude (tests/_tolerance.py)."""
+    assert_rounding_close(got, want, n=N_SUM)
 
 
 def tiny_config(hf, family, **overrides):
