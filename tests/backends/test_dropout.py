@@ -1,6 +1,8 @@
-"""Attention dropout with a counter-based mask (issue 15, item 1): dropout_p=0 is bit-identical to no dropout;
-the same seed drops the same entries on the reference and blockwise backends whatever the tiling (outputs and
-all gradients agree); the expected output over many masks is the undropped output; fused backends refuse it."""
+"""Attention dropout with a counter-based mask: dropout_p=0 is bit-identical to no dropout; the mask (an integer
+hash of the seed and the absolute coordinates) is bit-identical whatever the tiling, so the reference and blockwise
+backends drop the same entries, and their outputs and gradients (other arithmetic: whole rows against tiles)
+agree to rounding; the same seed repeats bit-identically; the expected output over many masks is the undropped
+output; fused backends refuse it."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 import relbias
+from relbias._dropout import Dropout
 
 
 def _inputs(lq=23, lk=31, heads=2):
@@ -24,6 +27,26 @@ def test_dropout_p_zero_is_bit_identical_to_no_dropout():
         assert torch.equal(plain, zero)
 
 
+def test_the_mask_is_bit_identical_whatever_the_tiling_and_keyed_by_absolute_positions():
+    """Tiles of any size (here 8 x 5, not dividing 23 x 31) regenerate the whole block's factors exactly (integer
+    hashing, then the same cast and multiplication), and a call whose queries start later reads the same factors at
+    the same absolute positions."""
+    drop = Dropout(0.3, 12345, query_start=5, key_start=2)
+    whole = drop.scale_tile(2, 3, 0, 23, 0, 31, "cpu", torch.float32)
+    tiled = torch.cat([
+        torch.cat([drop.scale_tile(2, 3, t0, min(t0 + 8, 23), s0, min(s0 + 5, 31), "cpu", torch.float32)
+                   for s0 in range(0, 31, 5)], dim=-1)
+        for t0 in range(0, 23, 8)
+    ], dim=-2)
+    assert torch.equal(tiled, whole)
+    later = Dropout(0.3, 12345, query_start=13, key_start=2).scale_tile(2, 3, 0, 15, 0, 31, "cpu", torch.float32)
+    assert torch.equal(later, whole[:, :, 8:])
+    assert set(whole.unique().tolist()) == {0.0, torch.tensor(1 / 0.7, dtype=torch.float32).item()}
+    assert 0.2 < (whole == 0).double().mean().item() < 0.4  # about p of the entries dropped
+    other_seed = Dropout(0.3, 12346, query_start=5, key_start=2).scale_tile(2, 3, 0, 23, 0, 31, "cpu", torch.float32)
+    assert not torch.equal(other_seed, whole)
+
+
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_reference_and_blockwise_drop_the_same_entries_outputs_and_gradients(is_causal, small_tiles):
     q, k, v, bias = _inputs()
@@ -38,7 +61,7 @@ def test_reference_and_blockwise_drop_the_same_entries_outputs_and_gradients(is_
                                      dropout_p=0.3, generator=torch.Generator().manual_seed(7), return_lse=True)
         ((out * torch.linspace(-1, 1, 8)).sum() + lse.sum()).backward()
         results.append([out, lse, q_.grad, k_.grad, v_.grad, bias.weight.grad.clone()])
-    for got, want in zip(*results):
+    for got, want in zip(*results):  # the same mask (above), other arithmetic (whole rows, 8 x 8 tiles)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     undropped = relbias.attention(q, k, v, bias=bias, mask=mask, is_causal=is_causal)
     assert not torch.allclose(results[0][0], undropped, atol=1e-3)  # the mask did drop something
@@ -77,11 +100,12 @@ def test_fused_backends_refuse_dropout_and_auto_takes_blockwise(monkeypatch):
         with pytest.raises(ValueError, match=rf"backend '{name}' cannot run this call: .*attention dropout \(dropout_p=0.1\)"):
             relbias.attention(q, k, v, bias=bias, backend=name, dropout_p=0.1)
     assert relbias.explain_backend(q, k, v, bias=bias)[0] == "toeplitz"  # without dropout
+    assert relbias.explain_backend(q, k, v, bias=bias, dropout_p=0.1)[0] == "blockwise"
     with torch.no_grad():
         got = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0))
         want = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0),
                                  backend="blockwise")
-    assert torch.equal(got, want)
+    assert torch.equal(got, want)  # auto runs blockwise (above): the same backend, seed and inputs
 
 
 @pytest.mark.parametrize("value", [-0.1, 1.0, float("nan"), True, "0.1"])
