@@ -1,5 +1,5 @@
 """Shared test fixtures: a seed per test, one torch thread, small backend tiles on request; torch's trace logger
-silenced."""
+silenced; inductor's cache kept apart per ATEN_CPU_CAPABILITY."""
 
 import logging
 import os
@@ -14,6 +14,25 @@ import relbias
 from relbias.backends import blockwise, flex, structured, toeplitz
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# inductor's cache of generated code (torch 2.13) is keyed without the vector ISA that ATEN_CPU_CAPABILITY selects:
+# a run under another capability would load C++ written for another vector width (CppCompileError under "default";
+# wrong values, or heap corruption, between AVX2 and AVX-512). A run that sets the capability gets its own cache
+# folder next to the usual one (TORCHINDUCTOR_CACHE_DIR, else inductor's default), read when inductor first compiles.
+_CAPABILITY = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+if _CAPABILITY:
+    _base = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not _base:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        except ImportError:  # older torch: the same default, /tmp/torchinductor_<user>
+            import getpass
+            import tempfile
+
+            _base = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+        else:
+            _base = default_cache_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = f"{os.path.abspath(_base)}_aten_cpu_capability_{_CAPABILITY}"
 
 # torch's structured trace logger ("torch.__trace") is DEBUG and never propagates, so pytest attaches its capture
 # handlers to it directly: every failing test that compiled something (flex) then lists dozens of empty

@@ -17,6 +17,8 @@ import torch
 import relbias
 from relbias.backends import flex
 
+from .._markers import requires_inductor_vector_isa
+
 pytestmark = pytest.mark.skipif(not flex.flex_available(torch.device("cpu"), torch.float32, False)[0],
                                 reason="FlexAttention cannot be compiled here")
 
@@ -83,6 +85,7 @@ def _status_mib(field: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
 
 
+@requires_inductor_vector_isa
 def test_twenty_lengths_and_decode_steps_compile_per_bucket_and_stay_fused(monkeypatch):
     """20 distinct lengths (10 square blocks, 10 KV-cache decode steps) compile at most twice, then a 4096-token
     causal call still adds O(N·D) memory (eager FlexAttention would add B·H·N² scores: 128 MiB here)."""
