@@ -79,4 +79,5 @@ def test_auto_takes_structured_for_the_hugging_face_padding_mask():
     mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
     mask[0, ..., 3900:] = False
     assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=mask)[0] == "structured"
-    assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=mask.float())[0] == "blockwise"
+    additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # the same padding as a float mask
+    assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=additive)[0] == "blockwise"
