@@ -44,6 +44,18 @@ def test_a_kernel_that_disagrees_with_sdpa_is_refused_with_the_reason(fresh_chec
     assert flex._CHECKED[("cpu", None, torch.float32, 32, 32)] is not None  # checked once, then cached
 
 
+def test_a_kernel_that_does_not_compile_is_refused_with_the_compiler_error(fresh_checks, monkeypatch):
+    def no_lowering(q, k, v, **kwargs):  # torch 2.13 under ATEN_CPU_CAPABILITY=default (no vector ISA)
+        raise NotImplementedError("torch.compile on current platform is not supported for CPU")
+
+    monkeypatch.setattr(flex, "_run", no_lowering)
+    q = torch.randn(1, 2, 8, 32)
+    with torch.no_grad(), pytest.raises(ValueError, match=r"backend 'flex' cannot run this call: compiled FlexAttention "
+                                                          r".* does not compile here .*NotImplementedError: torch.compile"):
+        relbias.explain_backend(q, q, q, backend="flex")
+    assert relbias.explain_backend(q, q, q)[0] != "flex"  # auto passes it over
+
+
 def test_small_head_dims_are_refused_on_cpus_without_avx512(fresh_checks, monkeypatch):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     monkeypatch.setattr(flex, "_run", lambda *a, **k: pytest.fail("no probe may run"))

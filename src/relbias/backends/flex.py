@@ -123,7 +123,8 @@ def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_
 
     Returns:
         None when every probe agrees; otherwise the reason, naming torch's version, the CPU capability,
-        head_dim and the error found.
+        head_dim and the error found (a wrong value, or the compiler's exception: a probe that fails to compile
+        is a refusal, not an error of the call).
     """
     key = (device.type, device.index, dtype, head_dim, value_dim)
     if key in _CHECKED:
@@ -146,7 +147,14 @@ def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_
                 v = torch.randn(batch, heads, length, value_dim, generator=generator)
                 want = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double())
                 q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
-                got = _run(q, k, v, scale=1.0 / math.sqrt(head_dim)).double().cpu()
+                try:
+                    got = _run(q, k, v, scale=1.0 / math.sqrt(head_dim)).double().cpu()
+                except Exception as error:  # inductor cannot compile it here (e.g. no vector ISA for CPU flex)
+                    reason = (
+                        f"compiled FlexAttention in torch {torch.__version__} does not compile here ({capability}, "
+                        f"{dtype}, head_dim {head_dim}): {type(error).__name__}: {str(error).strip()[:300]}"
+                    )
+                    break
                 error = (got - want).abs().max().item() if got.numel() else 0.0
                 if not math.isfinite(error) or error > tolerance * max(1.0, want.abs().max().item()):
                     reason = (
