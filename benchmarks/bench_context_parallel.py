@@ -30,7 +30,7 @@ Usage::
 In the default (spawn) mode every (P, L) runs in P fresh processes of this script (``--child``) that meet through
 a ``file://`` rendezvous in a temporary folder (gloo on CPU; loopback only).
 
-Targets (issue 13): per-rank peak memory <= 1.2/P of the P = 1 figure plus a constant; with T5 at P = 4,
+Targets: per-rank peak memory <= 1.2/P of the P = 1 figure plus a constant; with T5 at P = 4,
 L = 16384, the compute time summed over ranks within 1.3x of the P = 1 time.
 """
 

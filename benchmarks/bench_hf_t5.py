@@ -20,7 +20,7 @@ Usage::
     python benchmarks/bench_hf_t5.py                         # lengths 512 1024 2048 4096
     python benchmarks/bench_hf_t5.py --lengths 4096 8192 --repeats 2 --backend auto
 
-Goal (issue 6): at 4096 tokens the patched model >= 2x faster and >= 5x less extra memory.
+Target: at 4096 tokens the patched model >= 2x faster and >= 5x less extra memory.
 """
 
 from __future__ import annotations
