@@ -197,3 +197,18 @@ def test_an_ahead_of_time_module_that_does_not_load_is_logged(x86, monkeypatch, 
     with caplog.at_level(logging.WARNING, logger=_native_build.__name__):
         assert _native_build._aot_module() is None
     assert "x86_64_v4" in caplog.text and "undefined symbol" in caplog.text
+
+
+def test_each_copy_of_the_sources_builds_in_its_own_folder(fake_build, monkeypatch, tmp_path, caplog):
+    """ninja rebuilds when the same sources sit elsewhere (another checkout or venv): each location gets its own
+    folder, and its first build is announced, instead of two installs rebuilding one folder in turn."""
+    import shutil
+
+    copy = tmp_path / "elsewhere" / "csrc"
+    shutil.copytree(_native_isa.CSRC, copy)
+    with caplog.at_level(logging.WARNING, logger=_native_build.__name__):
+        first, _ = _native_build.build()
+        monkeypatch.setattr(_native_isa, "CSRC", copy)
+        second, _ = _native_build.build()
+    assert first.name != second.name
+    assert len([r for r in caplog.records if "compiling the toeplitz kernels" in r.getMessage()]) == 2

@@ -8,7 +8,8 @@ a build on first use (cached), with or without OpenMP.
    the architecture flag of :func:`~relbias.backends._native_isa.jit_arch_flag` and ``-fopenmp``, into
    ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default ``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is
    respected), in a folder named after the torch and Python versions, a hash of the CPU's feature flags and a
-   hash of the sources and flags: a build for one CPU is never loaded on another. The first build (about a minute
+   hash of the sources, their folder and the flags: a build for one CPU is never loaded on another, and each
+   installed copy of the sources has its own build. The first build (about a minute
    on 2 cores) is announced through :mod:`logging` before it starts; later processes load it (0.2 s).
    ``RELBIAS_NATIVE_MARCH`` skips the ahead-of-time modules and builds for the ``-march`` it names.
 3. **No OpenMP** (Apple clang; clang without libomp): the compiler's refusal of ``-fopenmp`` is recognised, the
@@ -117,7 +118,10 @@ def _jit(openmp: bool):
     # denormal mode. -fopenmp-simd keeps the kernels' `omp simd` loops vectorised without the runtime.
     cflags = ["-O3", _native_isa.jit_arch_flag(), "-fopenmp" if openmp else "-fopenmp-simd"]
     ldflags = ["-fopenmp"] if openmp else []
-    tag = hashlib.sha256((_native_isa.source_digest() + " ".join(cflags + ldflags)).encode()).hexdigest()[:16]
+    # the sources' folder too: ninja rebuilds when the same sources sit elsewhere (another checkout or venv), so each
+    # location gets its own build (announced) rather than two of them rebuilding one folder in turn
+    key = "\0".join([_native_isa.source_digest(), str(_native_isa.CSRC.resolve()), *cflags, *ldflags])
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     folder = build_directory(tag)
     name = f"relbias_toeplitz_native_{tag}"
     threads = "OpenMP" if openmp else "no OpenMP: one thread per call"
