@@ -1,4 +1,4 @@
-"""A bias given by any function of the offset: the seed's general ``PE(i, j) = f(i - j)``."""
+"""A bias given by any function of the offset: ``PE(i, j) = f(i - j)``, the general relative position bias."""
 
 from __future__ import annotations
 
