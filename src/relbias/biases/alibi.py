@@ -72,7 +72,12 @@ class ALiBiBias(RelativeBias):
         ValueError: ``num_heads`` < 1.
 
     Example:
-        >>> ALiBiBias(2)(3, 3)[1]  # slope 1/256; causal, future keys 0 (masked)
+        >>> from relbias import ALiBiBias
+        >>> ALiBiBias(2)(3, 3)[1]  # head 1, slope 1/256: -slope * |i - j|
+        tensor([[ 0.0000, -0.0039, -0.0078],
+                [-0.0039,  0.0000, -0.0039],
+                [-0.0078, -0.0039,  0.0000]])
+        >>> ALiBiBias(2, bidirectional=False)(3, 3)[1]  # causal (the paper's): future keys 0, masked anyway
         tensor([[ 0.0000,  0.0000,  0.0000],
                 [-0.0039,  0.0000,  0.0000],
                 [-0.0078, -0.0039,  0.0000]])

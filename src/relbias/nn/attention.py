@@ -96,6 +96,8 @@ class MultiheadAttention(nn.Module):
         TypeError: a ``position_bias`` that is not a RelativeBias; a non-bool ``batch_first``.
 
     Example:
+        >>> import torch, relbias
+        >>> from relbias.nn import KVCache, MultiheadAttention
         >>> bias = relbias.T5Bias(num_heads=4, bidirectional=False)
         >>> layer = MultiheadAttention(64, 4, batch_first=True, position_bias=bias, is_causal=True)
         >>> x = torch.randn(2, 10, 64)                   # (batch, seq_len, embed_dim)
