@@ -2,7 +2,7 @@
 
 By default nothing is compiled here: the kernels are built on first use, for the machine that runs them. With
 ``RELBIAS_BUILD_NATIVE=1`` (and torch importable, so ``pip install --no-build-isolation``), the kernels are compiled
-now, once per instruction-set level of ``relbias/backends/_native_isa.py`` (x86-64-v2, -v3, -v4 on x86; armv8-a on
+now, once per instruction-set level of ``relbias/backends/toeplitz/_isa.py`` (x86-64-v2, -v3, -v4 on x86; armv8-a on
 Arm), with torch's ``BuildExtension``; at run time the widest level the CPU executes is loaded, so one wheel serves
 AVX2 and AVX-512 machines and needs no compiler. A wheel built so is tied to the torch version it was built
 against.
@@ -23,12 +23,12 @@ if os.environ.get("RELBIAS_BUILD_NATIVE", "").strip() == "1":
             "RELBIAS_BUILD_NATIVE=1 compiles against the installed torch: install torch first, then "
             "`RELBIAS_BUILD_NATIVE=1 pip install --no-build-isolation .` (" + str(error) + ")"
         ) from None
-    isa = runpy.run_path(str(Path(__file__).parent / "src" / "relbias" / "backends" / "_native_isa.py"))
-    sources = [str(Path("src", "relbias", "backends", "csrc", name)) for name in isa["SOURCES"]]
+    isa = runpy.run_path(str(Path(__file__).parent / "src" / "relbias" / "backends" / "toeplitz" / "_isa.py"))
+    sources = [str(Path("src", "relbias", "backends", "toeplitz", "csrc", name)) for name in isa["SOURCES"]]
     digest = isa["source_digest"]()
     for level, march in isa["aot_levels"]():
         ext_modules.append(CppExtension(
-            name="relbias.backends." + isa["AOT_PREFIX"] + level, sources=sources,
+            name="relbias.backends.toeplitz." + isa["AOT_PREFIX"] + level, sources=sources,
             define_macros=[("RELBIAS_SOURCE_DIGEST", digest)],
             extra_compile_args=["-O3", "-g0", f"-march={march}", "-fopenmp"], extra_link_args=["-fopenmp"],
         ))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import relbias
-from relbias.backends import _toeplitz_native
+from relbias.backends.toeplitz import _native as _toeplitz_native
 from relbias.backends import _band_interior, structured
 from relbias.backends._bias_tiles import diagonal_sums
 from relbias.biases import FAMILIES, make_bias

@@ -1,4 +1,4 @@
-"""How the native toeplitz kernels are obtained (relbias.backends._native_isa, _native_build): the instruction-set
+"""How the native toeplitz kernels are obtained (relbias.backends.toeplitz._isa, _native_build): the instruction-set
 level an ahead-of-time install loads, the architecture flag of a build on first use, the announcement of a first
 build, the retry without OpenMP, and the package data that a wheel must carry. The builds themselves are faked here
 (a real one takes a minute); .ci/wheels builds and runs them for real."""
@@ -12,7 +12,7 @@ import types
 
 import pytest
 
-from relbias.backends import _native_build, _native_isa
+from relbias.backends.toeplitz import _build as _native_build, _isa as _native_isa
 
 V2 = {"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"}
 V3 = V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
@@ -67,11 +67,11 @@ def test_every_file_the_build_reads_is_package_data():
     """A wheel carries what the build on first use compiles and hashes: every file in csrc/ is a source or a header
     of the build, and pyproject.toml's package data matches each of them."""
     tomllib = pytest.importorskip("tomllib")
-    root = _native_isa.CSRC.parents[3]
+    root = _native_isa.CSRC.parents[4]
     if not (root / "pyproject.toml").exists():
         pytest.skip("not a source checkout")
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = patterns["relbias.backends"]
+    shipped = patterns["relbias.backends.toeplitz"]
     files = sorted(p.name for p in _native_isa.CSRC.iterdir() if p.is_file())
     assert files == sorted(_native_isa.SOURCES + _native_isa.HEADERS)
     for name in files:

@@ -42,7 +42,7 @@ def test_compiled_forward_and_backward_equal_eager_without_graph_breaks(is_causa
 @pytest.mark.parametrize("values_grad", [True, False])
 def test_the_custom_ops_pass_torch_library_opcheck(values_grad):
     """Schema, fake (meta) kernels against the real ones (shapes, strides, dtypes), and the autograd registration."""
-    from relbias.backends._toeplitz_kernel import toeplitz_backward, toeplitz_forward
+    from relbias.backends.toeplitz._kernel import toeplitz_backward, toeplitz_forward
 
     q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (5, 7, 7))
     values = torch.randn(7 + 5 - 1, 2, dtype=torch.float64).t().requires_grad_(values_grad)  # strided, like a lookup

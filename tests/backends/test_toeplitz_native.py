@@ -14,10 +14,11 @@ import pytest
 import torch
 
 import relbias
-from relbias.backends import _toeplitz_native, toeplitz
-from relbias.backends._toeplitz_backward import tiled_backward
-from relbias.backends._toeplitz_kernel import _forward_impl
-from relbias.backends._toeplitz_view import future_offsets, reversed_bias
+from relbias.backends import toeplitz
+from relbias.backends.toeplitz import _native as _toeplitz_native
+from relbias.backends.toeplitz._backward import tiled_backward
+from relbias.backends.toeplitz._kernel import _forward_impl
+from relbias.backends.toeplitz._view import future_offsets, reversed_bias
 from relbias.biases import make_bias
 
 from .._tolerance import assert_rounding_close
@@ -309,7 +310,7 @@ FORWARD_CASES = [  # (Lq, Lk, query_start, key_start, is_causal, bias heads)
 )
 @pytest.mark.parametrize("family", ["alibi", "kerple_log", "kerple_power", "offset_clip", "t5", "function"])
 def test_float64_native_forward_matches_the_reference(family, case, tiles, monkeypatch):
-    from relbias.backends import _toeplitz_kernel
+    from relbias.backends.toeplitz import _kernel as _toeplitz_kernel
 
     monkeypatch.setattr(toeplitz, "BLOCK_Q", 64)  # caps the tiles: above them
     monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_Q", tiles[0])
@@ -338,7 +339,7 @@ def test_float64_native_forward_matches_the_reference(family, case, tiles, monke
 
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_float32_native_forward_is_close_to_the_float64_reference(is_causal, monkeypatch):
-    from relbias.backends import _toeplitz_kernel
+    from relbias.backends.toeplitz import _kernel as _toeplitz_kernel
 
     monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_Q", 24)
     monkeypatch.setattr(_toeplitz_native, "FORWARD_TILE_K", 40)

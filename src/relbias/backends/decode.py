@@ -25,10 +25,10 @@ import torch.nn.functional as F
 
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
-from . import _toeplitz_native
+from .toeplitz import _native as _toeplitz_native
 from ._cpu_flash import cpu_flash_reasons, fused_forward
 from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
-from ._toeplitz_view import reversed_bias
+from .toeplitz._view import reversed_bias
 from .base import Backend
 
 __all__ = ["MAX_QUERIES", "DecodeBackend", "decode_attention"]
@@ -106,7 +106,7 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     """(out, lse) by relbias' fused toeplitz forward kernel (``csrc/toeplitz_forward.cpp``: the bias read from the
     reversed per-offset vector, causal keys skipped; measured 5-25% faster than SDPA's kernel with the bias row as its
     mask, the most at Lk = 128), or None where it does not run: a mask, no bias or one that is not offset-only, a
-    query, key or value the kernel would copy (:func:`~relbias.backends._toeplitz_native.read_in_place`; a static
+    query, key or value the kernel would copy (:func:`~relbias.backends.toeplitz._native.read_in_place`; a static
     cache's view is read in place), under torch.compile (SDPA is one graph node), or where the native kernels do not
     run (not built: no warning)."""
     bias, query, key, value = call.bias, call.query, call.key, call.value

@@ -2,7 +2,7 @@
 build runs and where it is cached, and with ``--check`` compare it with the reference backend.
 
 The same command is ``python -m relbias.backends.build``. What is built and how is
-:mod:`relbias.backends._native_build`.
+:mod:`relbias.backends.toeplitz._build`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def check() -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Build or load the kernels, print the outcome; 1 where they do not run (or, with ``--check``, mismatch)."""
-    from ..backends import _native_build, _toeplitz_native
+    from ..backends.toeplitz import _build as _native_build, _native as _toeplitz_native
 
     start = time.perf_counter()
     reason = _toeplitz_native.native_unavailable_reason()

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import _toeplitz_native, toeplitz
+from ..backends import toeplitz
+from ..backends.toeplitz import _native as _toeplitz_native
 from ..backends._autograd import first_order
 from ..backends._cpu_flash import fused_available, fused_backward
 from ..backends._structured_parts import additive_mask, empty_rows, part_backward, run_part

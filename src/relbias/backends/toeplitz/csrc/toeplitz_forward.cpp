@@ -1,7 +1,7 @@
 // The toeplitz backend's forward, fused: out and lse of attention with an offset-only bias, one tiled pass with an
 // online softmax (FlashAttention-2 forward, Dao 2023, Alg. 1). Same outputs as the PyTorch path of
-// relbias.backends._toeplitz_kernel._forward_impl (PyTorch's CPU flash kernel per query block, the bias as a strided
-// mask); built and loaded with the backward by relbias.backends._toeplitz_native.
+// relbias.backends.toeplitz._kernel._forward_impl (PyTorch's CPU flash kernel per query block, the bias as a strided
+// mask); built and loaded with the backward by relbias.backends.toeplitz._native.
 //
 // For query i and key j the bias is w[Lq - 1 - i + j] (w: the reversed, scaled per-offset values, (Hb, Lq+Lk-1),
 // -inf at a causal call's future offsets), so a query row reads a contiguous window of w. Per query tile, with

@@ -1,12 +1,12 @@
 """The toeplitz backend's forward and its backward with a bias gradient as fused C++ kernels, built on first use.
 
-:func:`forward` returns what the PyTorch path of :func:`relbias.backends._toeplitz_kernel._forward_impl` returns
+:func:`forward` returns what the PyTorch path of :func:`relbias.backends.toeplitz._kernel._forward_impl` returns
 (out and lse), computed by ``csrc/toeplitz_forward.cpp``: the FlashAttention-2 forward (Dao 2023, Alg. 1), an online
 softmax over key tiles per (batch x head, query tile) task, the bias read straight from the reversed per-offset
 vector, a causal call's key tiles beyond the diagonal skipped. The PyTorch path calls the CPU flash kernel once per
 query block with the bias as a strided mask (read per tile, and a causal block computes its whole diagonal block).
 
-:func:`backward` returns what :func:`relbias.backends._toeplitz_backward.tiled_backward` returns (dq, dk, dv and
+:func:`backward` returns what :func:`relbias.backends.toeplitz._backward.tiled_backward` returns (dq, dk, dv and
 the gradient of the reversed bias ``w``), computed by ``csrc/toeplitz_backward.cpp``: the FlashAttention-2 backward
 (Dao 2023, Alg. 2) over (query tile, key tile) pairs, parallel over batch x heads, with the scores, ``P``, ``dS``
 and the bias gradient's diagonal sums formed in one elementwise pass per tile (a polynomial ``exp`` that the
@@ -14,7 +14,7 @@ compiler vectorises) between single-threaded GEMMs. The Python version makes abo
 tile. Results are deterministic (the per-(batch, head) bias-gradient rows are summed in a fixed order).
 
 Both kernels are one extension module (``csrc/*.cpp`` and the shared ``csrc/toeplitz_common.h``), obtained by
-:func:`relbias.backends._native_build.build`: an ahead-of-time module installed with the package, else a build on
+:func:`relbias.backends.toeplitz._build.build`: an ahead-of-time module installed with the package, else a build on
 first use (``-O3 -march=native -fopenmp``, cached per machine kind; the first build, about a minute on 2 cores, is
 announced through :mod:`logging`), else, for a compiler without OpenMP, a single-threaded build.
 
@@ -32,8 +32,8 @@ import warnings
 
 import torch
 
-from ._native_build import build as _build
-from ._toeplitz_backward import tiled_backward
+from ._build import build as _build
+from ._backward import tiled_backward
 
 __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",

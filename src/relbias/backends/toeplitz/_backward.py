@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ._toeplitz_view import block_mask, key_end
+from ._view import block_mask, key_end
 
 __all__ = ["tiled_backward"]
 

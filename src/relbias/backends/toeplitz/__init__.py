@@ -2,10 +2,10 @@
 
 An offset-only bias ``PE(i, j) = f_h(i - j)`` is, per head, a Toeplitz matrix: constant along each
 diagonal. Its native form (:meth:`relbias.RelativeBias.native`) holds the Lq + Lk - 1 distinct values;
-reversed and scaled, ``w`` (:func:`relbias.backends._toeplitz_view.reversed_bias`), query ``i`` and key ``j`` read
+reversed and scaled, ``w`` (:func:`relbias.backends.toeplitz._view.reversed_bias`), query ``i`` and key ``j`` read
 ``w[Lq - 1 - i + j]``, so a query row reads a contiguous window of ``w`` and no (H, Lq, Lk) tensor is ever formed.
 
-Forward and backward are fused C++ kernels (:mod:`relbias.backends._toeplitz_native`, compiled on first use with
+Forward and backward are fused C++ kernels (:mod:`relbias.backends.toeplitz._native`, compiled on first use with
 ``torch.utils.cpp_extension``: about 45 s once per machine kind; they need a C++ compiler with OpenMP and
 ``ninja``): FlashAttention-2's forward (Dao 2023, Alg. 1; online softmax over key tiles, causal tiles beyond the
 diagonal skipped) and backward (Alg. 2; ``P`` and ``dS = P * (dP - D)`` formed once per (query tile, key tile),
@@ -15,13 +15,13 @@ batch x heads (x query tiles, forward), deterministic (fixed summation order).
 Where they cannot be built (or ``RELBIAS_NATIVE=0``), the forward reads ``w`` through a strided view (strides 1, 1,
 query rows of a block in reverse order) as the additive ``attn_mask`` of PyTorch's CPU flash kernel, one call per
 block of :data:`BLOCK_Q` query rows against the keys the block can see; the backward is that kernel's (no bias
-gradient) or the native kernel's pass in PyTorch (:mod:`relbias.backends._toeplitz_backward`). Everything runs with
+gradient) or the native kernel's pass in PyTorch (:mod:`relbias.backends.toeplitz._backward`). Everything runs with
 denormals flushed to zero on every thread (:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys
 otherwise land in float32 denormals (measured: forward 1.4x, backward 4x slower); exponentials are clamped at -87.
 Saved for backward: O(B·H·L·D).
 
 Under ``torch.compile`` forward and backward are ``torch.library`` custom ops
-(:mod:`relbias.backends._toeplitz_kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
+(:mod:`relbias.backends.toeplitz._kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
 eager calls run the same functions through a plain ``autograd.Function``.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask, no dropout, CPU, equal
@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import torch
 
-from ..biases.base import RelativeBias
-from ..call import AttentionCall
-from ._cpu_flash import cpu_flash_reasons
-from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
-from ._toeplitz_kernel import part_backward, toeplitz_apply
-from ._toeplitz_native import native_unavailable_reason
-from .base import Backend
+from ...biases.base import RelativeBias
+from ...call import AttentionCall
+from .._cpu_flash import cpu_flash_reasons
+from .._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
+from ._kernel import part_backward, toeplitz_apply
+from ._native import native_unavailable_reason
+from ..base import Backend
 
 __all__ = [
     "BLOCK_Q", "STRUCTURED_GRAD_MIN_SCORES", "TILE", "ToeplitzBackend", "toeplitz_attention", "toeplitz_part_backward",

@@ -1,6 +1,6 @@
 // The toeplitz backend's backward with a bias gradient, fused: dq, dk, dv and the gradient of the reversed bias
 // in one tiled pass (FlashAttention-2 backward, Dao 2023, Alg. 2). Same math and outputs as the Python
-// relbias.backends._toeplitz_backward.tiled_backward; built and loaded by relbias.backends._toeplitz_native.
+// relbias.backends.toeplitz._backward.tiled_backward; built and loaded by relbias.backends.toeplitz._native.
 //
 // For query i and key j the bias is w[Lq - 1 - i + j] (w: the reversed, scaled per-offset values, (Hb, Lq+Lk-1)),
 // so one query row reads, and its bias gradient adds into, a contiguous window of w. Per (query tile, key tile):

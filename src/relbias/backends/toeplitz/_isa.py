@@ -25,8 +25,8 @@ CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("toeplitz_backward.cpp", "toeplitz_forward.cpp")
 #: Included by the sources: hashed with them, shipped with them.
 HEADERS = ("toeplitz_common.h",)
-#: Name of an ahead-of-time module: ``relbias.backends._toeplitz_native_<level>``.
-AOT_PREFIX = "_toeplitz_native_"
+#: Name of an ahead-of-time module: ``relbias.backends.toeplitz._native_<level>``.
+AOT_PREFIX = "_native_"
 
 # /proc/cpuinfo flags each x86-64 level needs beyond the previous one (x86-64 psABI, "micro-architecture levels").
 _X86_LEVELS = (

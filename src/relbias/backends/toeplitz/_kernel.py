@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from ._autograd import eager_function, first_order
-from ._cpu_flash import fused_backward, fused_forward
-from . import _toeplitz_native
-from ._denormals import flush_denormals
-from ._toeplitz_view import block_mask, future_offsets, key_end, reversed_bias
-from .blockwise import compute_dtype
+from .._autograd import eager_function, first_order
+from .._cpu_flash import fused_backward, fused_forward
+from . import _native as _toeplitz_native
+from .._denormals import flush_denormals
+from ._view import block_mask, future_offsets, key_end, reversed_bias
+from ..blockwise import compute_dtype
 
 __all__ = ["part_backward", "toeplitz_apply"]
 
@@ -28,7 +28,7 @@ def _forward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
     ``tile`` is the backward's (kept with the forward's settings). The fused C++ forward
-    (:func:`relbias.backends._toeplitz_native.forward`, tiles capped by ``block_q``) where it is built;
+    (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
     else PyTorch's CPU flash kernel per block of ``block_q`` query rows."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
@@ -76,10 +76,10 @@ def _backward_impl(
     bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int, values_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``.
-    The fused C++ kernel (:mod:`relbias.backends._toeplitz_native`, built on first use: a single tiled pass that
+    The fused C++ kernel (:mod:`relbias.backends.toeplitz._native`, built on first use: a single tiled pass that
     forms ``dS`` once for all four; its bias gradient is dropped when not wanted, about a tenth of its work). Where
     it cannot be built or ``RELBIAS_NATIVE=0`` is set: without a bias gradient, the CPU flash kernel's own backward
-    per query block; with one, the native kernel's Python version (:mod:`relbias.backends._toeplitz_backward`)."""
+    per query block; with one, the native kernel's Python version (:mod:`relbias.backends.toeplitz._backward`)."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
         do = grad_out.to(out.dtype)

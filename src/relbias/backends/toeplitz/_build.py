@@ -1,11 +1,11 @@
 """How the toeplitz kernels' extension module is obtained: an ahead-of-time module installed with the package, else
 a build on first use (cached), with or without OpenMP.
 
-1. **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install, :mod:`relbias.backends._native_isa`): the widest
+1. **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install, :mod:`relbias.backends.toeplitz._isa`): the widest
    installed level that the CPU and ATen's capability allow, loaded when it was built from the installed sources
    (else skipped, and the build on first use runs).
 2. **On first use**: :func:`torch.utils.cpp_extension.load` (a C++ compiler and the ``ninja`` package), with ``-O3``,
-   the architecture flag of :func:`~relbias.backends._native_isa.jit_arch_flag` and ``-fopenmp``, into
+   the architecture flag of :func:`~relbias.backends.toeplitz._isa.jit_arch_flag` and ``-fopenmp``, into
    ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default ``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is
    respected), in a folder named after the torch and Python versions, a hash of the CPU's feature flags and a
    hash of the sources, their folder and the flags: a build for one CPU is never loaded on another, and each
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from . import _native_isa
+from . import _isa as _native_isa
 
 __all__ = ["build", "build_directory", "lacks_openmp"]
 
