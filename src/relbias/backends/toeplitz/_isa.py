@@ -6,7 +6,7 @@ before torch or relbias are importable).
 
 - **Build on first use** (the default): ``-march=native`` on x86 (``-mcpu=native`` on Arm), or ``-march=VALUE``
   where the environment sets ``RELBIAS_NATIVE_MARCH=VALUE`` (e.g. ``x86-64-v2`` for a portable baseline).
-- **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install): one extension module per level of :data:`AOT_LEVELS`
+- **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install): one extension module per level of :func:`aot_levels`
   (x86-64-v2, -v3 = AVX2 + FMA, -v4 = AVX-512, as defined by the x86-64 psABI; one ``armv8-a`` build on Arm), and
   :func:`run_time_level` takes the widest the CPU executes, capped by ATen's own choice
   (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` lowers), as ATen dispatches its CPU
