@@ -115,7 +115,7 @@ class AttentionCall:
 
     @property
     def hidden_keys_finite(self) -> bool:
-        """True when no key or value that some query cannot see holds NaN/inf (see :meth:`_hidden_keys_finite`);
+        """True when no key or value that some query cannot see holds NaN/inf (see ``_hidden_keys_finite``);
         computed once per call, True without reading values under torch.compile or on the meta device."""
         return self._cached("hidden_keys_finite", self._hidden_keys_finite)
 
@@ -151,7 +151,7 @@ class AttentionCall:
 
     @property
     def key_padding(self) -> torch.Tensor | None:
-        """The (Bm, Hm, Lk) bool view of the mask when it is a key padding mask, else None (see :meth:`_key_padding`)."""
+        """The (Bm, Hm, Lk) bool view of the mask when it is a key padding mask, else None (see ``_key_padding``)."""
         return self._cached("key_padding", self._key_padding)
 
     def _cached(self, name: str, compute):

@@ -72,10 +72,11 @@ def explain_backend(
 ) -> tuple[str, str]:
     """Which backend :func:`relbias.attention` would run for these arguments, and why; runs nothing.
 
+    Takes every argument :func:`relbias.attention` takes (``query``, ``key``, ``value``, ``bias``, ``mask``,
+    ``is_causal``, ``scale``, ``convention``, ``query_start``, ``key_start``, ``return_lse``, ``dropout_p``), with
+    the same meaning, so that a training call with dropout is named as it runs.
+
     Args:
-        query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start, return_lse,
-            dropout_p: as :func:`relbias.attention` (every argument it takes, so a training call with dropout
-            is named as it runs).
         backend: "auto" (default) or a name in :data:`relbias.backends.BACKENDS`.
         generator: as :func:`relbias.attention`, type-checked only: no seed is drawn from it (nor from torch's
             global RNG), so asking does not change the masks that later calls draw.

@@ -34,16 +34,16 @@ _INT64_MAX = 2**63 - 1
 class Alignment:
     """Absolute positions of a block of queries against a block of keys.
 
-    Attributes (all in tokens):
+    Every field is in tokens.
+
+    Attributes:
         query_len: number of queries Lq (>= 0).
         key_len: number of keys Lk (>= 0).
         query_start: absolute position of the first query: an int, or under ``torch.compile`` a 0-dim integer
             tensor (:func:`resolve_alignment`); then ``min_offset`` and ``max_offset`` are 0-dim tensors too.
         key_start: absolute position of the first key, the same.
-
-    Derived:
         min_offset: smallest offset ``i - j`` in the block, ``query_start - (key_start + key_len - 1)``.
-        max_offset: largest offset, ``query_start + query_len - 1 - key_start``.
+        max_offset: largest offset, ``query_start + query_len - 1 - key_start`` (derived, like the next).
         num_offsets: ``max_offset - min_offset + 1 = query_len + key_len - 1`` distinct offsets (0 if
             either length is 0).
     """

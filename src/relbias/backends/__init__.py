@@ -1,5 +1,5 @@
 """Attention backends behind one contract (:class:`Backend`), registered in priority order
-(:data:`BACKENDS`); :mod:`relbias.dispatch` chooses among them per call."""
+(:data:`BACKENDS`); ``backend="auto"`` (``relbias.dispatch``) chooses among them per call."""
 
 from .base import Backend
 from .registry import BACKENDS, register_backend, unregister_backend

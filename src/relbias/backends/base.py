@@ -39,7 +39,7 @@ class Backend(abc.ABC):
         """Why this backend cannot run ``call``: one sentence per reason; empty when it can.
 
         Must cost O(1) or O(parameters) in the tensors' sizes, apart from the cached
-        :attr:`AttentionCall.hidden_keys_finite`.
+        :attr:`relbias.call.AttentionCall.hidden_keys_finite`.
         """
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:
@@ -55,11 +55,11 @@ class Backend(abc.ABC):
         """Run a call that :meth:`unsupported_reasons` accepts.
 
         Returns:
-            out: (B, H, Lq, Dv) in the dtype of ``call.query``; 0 for a query with no visible key.
-            lse: (B, H, Lq) float32 (float64 for float64 inputs), the natural log-sum-exp of each query's
-                scores over its visible keys (scale, bias and additive mask included); ``-inf`` for a
-                query with no visible key. Both are differentiable. It may be None when
-                ``call.return_lse`` is False and the backend would compute it at extra cost.
+            ``(out, lse)``. ``out``: (B, H, Lq, Dv) in the dtype of ``call.query``; 0 for a query with no visible
+            key. ``lse``: (B, H, Lq) float32 (float64 for float64 inputs), the natural log-sum-exp of each query's
+            scores over its visible keys (scale, bias and additive mask included); ``-inf`` for a query with no
+            visible key. Both are differentiable. ``lse`` may be None when ``call.return_lse`` is False and the
+            backend would compute it at extra cost.
         """
 
     def __repr__(self) -> str:

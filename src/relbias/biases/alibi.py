@@ -98,7 +98,7 @@ class ALiBiBias(RelativeBias):
         self.register_buffer("slopes", alibi_slopes(num_heads).float(), persistent=False)
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
-        """``-m_h * |offset|`` (bidirectional) or ``-m_h * max(offset, 0)`` (causal): float (H, *S), logits."""
+        """``-m_h * |offset|`` (bidirectional) or ``-m_h * max(offset, 0)`` (causal): float ``(H, *S)``, logits."""
         distance = self.distance(offsets)
         slopes = self.slopes.reshape(-1, *([1] * offsets.dim()))  # (H, 1, ..., 1)
         return slopes * (-distance).to(self.slopes.dtype)  # -m_h * distance, without -0.0

@@ -40,7 +40,7 @@ class RelativeBias(nn.Module):
 
     Subclasses set ``num_heads`` (H of the output; 1 means one bias shared by every head, which
     broadcasts), ``bidirectional`` (False: defined for past keys only, offset >= 0; future keys must be
-    masked) and ``default_convention`` (one of :data:`CONVENTIONS`, used by
+    masked) and ``default_convention`` (one of :data:`relbias.CONVENTIONS`, used by
     :func:`relbias.attention` when no convention is given), and implement :meth:`offset_values`.
     Everything else has a default: a new family is one class plus one
     :func:`relbias.biases.register_family` call, in one file.
@@ -50,15 +50,16 @@ class RelativeBias(nn.Module):
     bidirectional: bool
     default_convention: str = "seed"
     #: True when the bias depends on the offset i - j alone. A family that also reads the absolute
-    #: query position (FIRE normalises by it) sets False, overrides :meth:`pair_values`, and has no
+    #: query position (FIRE normalises by it) sets False, overrides :meth:`relbias.RelativeBias.pair_values`, and has no
     #: per-offset native form.
     offset_only: bool = True
-    #: True when the bias is a function of :meth:`distance` alone (ALiBi, KERPLE): pairs at the same
-    #: distance read the same value, which :meth:`parameter_key` then reports.
+    #: True when the bias is a function of :meth:`relbias.RelativeBias.distance` alone (ALiBi, KERPLE): pairs at
+    #: the same distance read the same value, which :meth:`relbias.RelativeBias.parameter_key` then reports.
     distance_only: bool = False
-    #: True when :meth:`offset_values` reads nothing but the module's parameters and buffers, so :meth:`native`
-    #: may reuse its last result while they are unchanged (inference: a decoder's layers share one bias per
-    #: step). False by default: a subclass (or :class:`FunctionBias`' user function) may read other state.
+    #: True when :meth:`relbias.RelativeBias.offset_values` reads nothing but the module's parameters and buffers,
+    #: so :meth:`relbias.RelativeBias.native` may reuse its last result while they are unchanged (inference: a
+    #: decoder's layers share one bias per step). False by default: a subclass (or :class:`FunctionBias`' user
+    #: function) may read other state.
     state_only: bool = False
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,7 @@ class RelativeBias(nn.Module):
             offsets: int64 tensor of any shape S, offsets ``i - j`` in tokens.
 
         Returns:
-            float tensor (H, *S), logits.
+            float tensor ``(H, *S)``, logits.
 
         Raises:
             ValueError: an offset the family cannot evaluate (e.g. beyond a per-offset table).

@@ -34,7 +34,7 @@ class FIREBias(RelativeBias):
     transform sharpens short distances; normalising by the query position, "progressive
     interpolation", keeps the MLP's input in [0, 1] at any length; the threshold L keeps short
     prefixes from being stretched). Because the bias reads the query position, not only ``i - j``,
-    ``offset_only`` is False: :meth:`native` raises and backends call :meth:`pair_values`.
+    ``offset_only`` is False: :meth:`relbias.RelativeBias.native` raises and backends call :meth:`pair_values`.
 
     Positivity: ``c = exp(log_c)`` and ``L = exp(log_threshold)``. Defaults c = 0.1, L = 512 tokens and
     width 32 follow common public implementations of FIRE (the paper leaves them to training); the MLP starts with PyTorch's default
@@ -175,7 +175,7 @@ class FIREBias(RelativeBias):
     def describe(self) -> dict[str, object]:
         """Constants: ``c`` and ``threshold`` (L, tokens) at their current values, ``hidden_width``, ``eps``.
 
-        :attr:`num_parameters` is the MLP's ``2 W + W H + H`` (W = hidden_width) plus c and L.
+        :attr:`relbias.RelativeBias.num_parameters` is the MLP's ``2 W + W H + H`` (W = hidden_width) plus c and L.
         """
         with torch.no_grad():
             c, threshold = float(self.c), float(self.threshold)

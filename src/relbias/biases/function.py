@@ -15,7 +15,7 @@ class FunctionBias(RelativeBias):
     """Wraps a user function of the offset ``i - j`` (and of the head) as a relative position bias.
 
     ``fn`` receives an int64 tensor of offsets of shape S (tokens; positive = past key) and returns a
-    float tensor of shape (num_heads, *S), or S when ``num_heads == 1``. If ``fn`` is an
+    float tensor of shape ``(num_heads, *S)``, or ``S`` when ``num_heads == 1``. If ``fn`` is an
     ``nn.Module`` it is registered as a submodule, so its parameters train with the model.
 
     Args:

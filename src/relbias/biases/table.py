@@ -15,7 +15,7 @@ class TableBias(RelativeBias):
 
     ``PE_h(i, j) = weight[index(i - j), h]``. Subclasses create ``weight`` (an ``nn.Parameter``, float)
     and implement :meth:`index`; two pairs share a parameter exactly when they read the same row, so
-    :meth:`parameter_key` is the row. :attr:`RelativeBias.num_parameters` is ``num_entries * H``.
+    :meth:`relbias.RelativeBias.parameter_key` is the row. :attr:`RelativeBias.num_parameters` is ``num_entries * H``.
     """
 
     state_only = True  # values read the parameters (and buffers) only
@@ -38,7 +38,7 @@ class TableBias(RelativeBias):
         return self.index(offsets)
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
-        """``weight[index(offsets)]`` moved to (H, *S), contiguous, in the table's dtype; errors of :meth:`index`."""
+        """``weight[index(offsets)]`` moved to ``(H, *S)``, contiguous, in the table's dtype; errors of :meth:`index`."""
         rows = self.index(offsets)
         # a gather along the transposed (tiny) table gives (H, *S) contiguous: 2.5x faster than weight[rows] moved
         return self.weight.t().contiguous().index_select(1, rows.reshape(-1)).view(self.weight.shape[1], *rows.shape)

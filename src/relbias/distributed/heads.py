@@ -44,7 +44,7 @@ class HeadSliceBias(RelativeBias):
         self.distance_only = bias.distance_only
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
-        """The parent's values at ``offsets`` for the sliced heads: (stop - start, *S)."""
+        """The parent's values at ``offsets`` for the sliced heads: ``(stop - start, *S)``."""
         return self.parent.offset_values(offsets)[self.start : self.stop]
 
     def pair_values(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ def shard_pieces(seq_len: int, world_size: int, rank: int, layout: str = "contig
         layout: "contiguous" (one piece ``(r·L/P, L/P)``) or "zigzag" (two pieces, chunks r and 2P-1-r).
 
     Raises:
-        TypeError, ValueError: as :func:`check_seq_len`; a rank outside ``[0, world_size)``.
+        TypeError, ValueError: as ``check_seq_len`` (the length must split evenly); a rank outside ``[0, world_size)``.
     """
     chunk = check_seq_len(seq_len, world_size, layout)
     check_int("rank", rank, minimum=0)

@@ -25,7 +25,7 @@ BLOCK_KINDS = ("skip", "past", "future", "bias")
 def block_kind(
     query_start: int, query_len: int, key_start: int, key_len: int, *, is_causal: bool, far_distance: int | None
 ) -> str:
-    """The kind (one of :data:`BLOCK_KINDS`) of a block of ``query_len`` queries against ``key_len`` keys.
+    """The kind (one of ``BLOCK_KINDS``: "skip", "past", "future" or "bias") of a block of ``query_len`` queries against ``key_len`` keys.
 
     Args:
         query_start, key_start: absolute positions (tokens) of the block's first query and key.
@@ -134,7 +134,7 @@ class RingStats:
     biased: int = 0
 
     def add(self, kind: str) -> None:
-        """Count one block of ``kind`` (one of :data:`BLOCK_KINDS`)."""
+        """Count one block of ``kind`` (one of ``BLOCK_KINDS``: "skip", "past", "future" or "bias")."""
         self.blocks += 1
         if kind == "skip":
             self.skipped += 1

@@ -14,7 +14,7 @@ past_seen_tokens)`` for a (1, H, Lq, Lk) bias, hands it to the next layers, and 
   ``position_bias``, so no (1, H, Lq, Lk) bias is built by this path;
 * points the self-attention layers at a copy of their stack's config whose ``_attn_implementation`` is
   ``"relbias_t5"``, an attention function registered with transformers' ``AttentionInterface``; it converts the
-  stack's 4D mask (:func:`relbias.integrations.masks.relbias_mask_from_hf`) and calls :func:`relbias.attention`.
+  stack's 4D mask (``relbias.integrations.masks.relbias_mask_from_hf``) and calls :func:`relbias.attention`.
 
 Projections, the KV cache (``EncoderDecoderCache``, ``past_seen_tokens``), masks' construction, cross-attention
 (which has no position bias), feed-forward and generation stay transformers' own code. The model's parameters and
@@ -137,7 +137,7 @@ class T5PositionBias:
     _mask_cache: list = field(default_factory=list, repr=False)  # [(hf_mask, is_causal, converted)] shared by the stack's layers
 
     def relbias_mask(self, hf_mask: torch.Tensor | None, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
-        """:func:`relbias_mask_from_hf` of the stack's mask, converted once per forward and reused by every layer."""
+        """``relbias_mask_from_hf`` of the stack's mask, converted once per forward and reused by every layer."""
         for cached_mask, cached_causal, converted in self._mask_cache:
             if cached_mask is hf_mask and cached_causal == is_causal:
                 return converted

@@ -63,7 +63,7 @@ class MultiheadAttention(nn.Module):
             position bias only when ``position_bias`` is given explicitly.
         proj_bias: add a learnable bias in the four linear projections (default True, torch's
             ``bias``; T5 uses False).
-        backend: "auto" (default; :func:`relbias.dispatch.choose_backend` picks per call) or a key of
+        backend: "auto" (default; :func:`relbias.explain_backend` names what it picks) or a key of
             ``relbias.backends.BACKENDS`` ("reference", "blockwise", ...). ``need_weights=True`` always
             runs "reference".
         convention: score convention ("seed", "additive", "t5"); default the bias module's own.
