@@ -3,7 +3,7 @@
 ``backend="auto"`` (the default): the first backend of :data:`relbias.backends.BACKENDS` (priority order)
 with no unsupported reasons and no reasons for auto to pass it over. The small-block rule is one of those
 reasons: the tiled backends (not toeplitz, whose one kernel call per block wins at every size) step aside for the
-reference at most :data:`relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES` scores, where materialising is
+reference at most :data:`relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES` scores, where materialising is
 cheaper. A named backend that cannot run the call raises ValueError with its reasons.
 :func:`explain_backend` answers the same question without running anything; since backends never hand
 a call to another one, the backend it names is the one that runs.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import relbias
-from relbias.backends._denormals import flush_denormals
+from relbias.backends._shared.denormals import flush_denormals
 
 DENORMAL = 1e-40  # below float32's smallest normal, 1.18e-38
 

@@ -8,8 +8,9 @@ import torch
 
 import relbias
 from relbias.backends.toeplitz import _native as _toeplitz_native
-from relbias.backends import _band_interior, structured
-from relbias.backends._bias_tiles import diagonal_sums
+from relbias.backends import structured
+from relbias.backends._shared import band_interior as _band_interior
+from relbias.backends._shared.bias_tiles import diagonal_sums
 from relbias.biases import FAMILIES, make_bias
 
 
@@ -146,7 +147,7 @@ def test_structured_batches_interior_band_blocks(monkeypatch, small_tiles):
         return original(*args, **kwargs)
 
     monkeypatch.setattr(_band_interior, "interior_backward", spy)
-    monkeypatch.setattr("relbias.backends._tiled_kernel.interior_backward", spy)
+    monkeypatch.setattr("relbias.backends._shared.tiled_kernel.interior_backward", spy)
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
     q, k, v = (torch.randn(1, 2, 90, 8, requires_grad=True) for _ in range(3))
     out = relbias.attention(q, k, v, bias=bias, backend="structured")

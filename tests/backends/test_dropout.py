@@ -93,7 +93,7 @@ def test_expected_output_is_the_undropped_output():
 
 
 def test_fused_backends_refuse_dropout_and_auto_takes_blockwise(monkeypatch):
-    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)
+    monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 0)
     q, k, v, _ = _inputs(lq=40, lk=40)
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
     for name in ("toeplitz", "structured", "flex"):

@@ -216,7 +216,7 @@ def test_auto_matches_reference_on_a_block_large_enough_to_tile(monkeypatch):
     # 1 x 2 x 1100 x 1100 = 2.4M scores: still "reference" under the default threshold, so lower it.
     name, _ = explain_backend(q, k, v, bias=bias, mask=padding)
     assert name == "reference"
-    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 1000)
+    monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 1000)
     assert explain_backend(q, k, v, bias=bias, mask=padding)[0] == "structured"
     with torch.no_grad():
         got = relbias.attention(q, k, v, bias=bias, mask=padding)

@@ -27,7 +27,7 @@ class EvenKeysBackend(Backend):
 
 @pytest.fixture
 def dummy(monkeypatch):
-    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
+    monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
     backend = EvenKeysBackend()
     register_backend(backend, before="decode")  # the one registry line: first in priority order
     yield backend
@@ -90,7 +90,7 @@ def test_priority_order_and_every_backend_keeps_the_contract():
 def test_explain_backend_names_the_backend_that_runs_when_keys_hold_nan(monkeypatch):
     """No hand-offs inside backends: a NaN in a key some query cannot see makes structured refuse, and auto names
     blockwise, which runs; a NaN key every query sees needs no care (it reaches exactly those queries)."""
-    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)
+    monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 0)
     ran = []
     for name in BACKENDS:
         backend = BACKENDS[name]

@@ -50,7 +50,7 @@ def _reference(bias, padding, is_causal):
 @pytest.mark.parametrize("values_grad", [True, False])
 def test_the_custom_ops_pass_torch_library_opcheck(values_grad):
     """Schema, fake (meta) kernels against the real ones (shapes, strides, dtypes), and the autograd registration."""
-    from relbias.backends._structured_kernel import structured_backward, structured_forward
+    from relbias.backends.structured._kernel import structured_backward, structured_forward
 
     torch.manual_seed(1)
     q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (30, 30, 30))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import relbias
-from relbias.backends import _band_interior, _tiled_kernel
+from relbias.backends._shared import band_interior as _band_interior
+from relbias.backends._shared import tiled_kernel as _tiled_kernel
 
 
 def _padding(batch, key_len):
@@ -60,7 +61,7 @@ def test_padded_structured_equals_the_reference_with_empty_rows_zero(is_causal, 
 
 def test_nan_and_inf_in_padded_keys_are_refused_by_structured_and_confined_by_what_auto_runs(small_tiles, monkeypatch):
     torch.manual_seed(1)
-    monkeypatch.setattr("relbias.backends._reasons.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
+    monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 0)  # no small-block shortcut
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
     q, k, v = (torch.randn(2, 2, 100, 8) for _ in range(3))
     mask = torch.arange(100) < 80

@@ -13,7 +13,7 @@ import relbias
 from relbias.backends.structured import far_distance
 from relbias.call import make_call
 from relbias.distributed import HeadSliceBias, block_kind, merge_partials, slice_heads
-from relbias.distributed.blocks import BlockSettings, _band_backend, block_backward, run_block
+from relbias.distributed.ring.blocks import BlockSettings, _band_backend, block_backward, run_block
 from relbias.distributed.merge import merge_into
 
 L, PIECE = 60, 12

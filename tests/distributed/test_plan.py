@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from relbias.distributed import shard_pieces
-from relbias.distributed.plan import MIN_AUTO_CHUNK_TOKENS, kv_chunks_of, resolve_kv_chunks
+from relbias.distributed.ring.plan import MIN_AUTO_CHUNK_TOKENS, kv_chunks_of, resolve_kv_chunks
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -20,11 +20,12 @@ import torch
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from ..positions import Alignment
-from ._autograd import first_order
-from ._bias_tiles import NativeSource, PairSource
-from ._denormals import flush_denormals_for
-from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
-from ._reasons import small_block_reasons, tensor_bias_reasons, tensor_position_reasons
+from ._shared.autograd import first_order
+from ._shared.bias_tiles import NativeSource, PairSource
+from ._shared.denormals import flush_denormals_for
+from ._shared.dtypes import compute_dtype
+from ._shared.tiled_kernel import TileProblem, tiled_backward, tiled_forward
+from ._shared.reasons import small_block_reasons, tensor_bias_reasons, tensor_position_reasons
 from .base import Backend
 
 __all__ = ["BLOCK_K", "BLOCK_Q", "BlockwiseBackend", "blockwise_attention", "make_source"]
@@ -34,11 +35,6 @@ BLOCK_Q = 256
 BLOCK_K = 1024
 #: Tile side when keys or values hold NaN/inf (products are then summed per entry: (B, H, T, T, D) memory).
 CAREFUL_BLOCK = 32
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Accumulation dtype: float64 for float64 inputs, else float32 (docs/conventions.md, Numerics)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def make_source(bias, alignment: Alignment, convention: str, scale: float, compute: torch.dtype, device):

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from .toeplitz import _native as _toeplitz_native
-from ._cpu_flash import cpu_flash_reasons, fused_forward
-from ._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
+from ._shared.cpu_flash import cpu_flash_reasons, fused_forward
+from ._shared.reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
 from .toeplitz._view import reversed_bias
 from .base import Backend
 

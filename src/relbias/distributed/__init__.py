@@ -4,10 +4,10 @@ merge by log-sum-exp. Public names only."""
 
 from .api import context_parallel_attention
 from .gather import gather_sequence
-from .heads import HeadSliceBias, slice_heads
+from .ulysses.heads import HeadSliceBias, slice_heads
 from .layout import LAYOUTS, shard, shard_pieces, shard_positions, unshard
 from .merge import merge_partials, part_gradients
-from .plan import RingStats, block_kind
+from .ring.plan import RingStats, block_kind
 from .validate import STRATEGIES
 
 __all__ = [

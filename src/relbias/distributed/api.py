@@ -7,9 +7,9 @@ import torch.distributed as dist
 
 from ..biases.base import RelativeBias
 from .agree import check_ranks_agree
-from .plan import RingStats
-from .ring import ring_attention
-from .ulysses import ulysses_attention
+from .ring.plan import RingStats
+from .ring.attention import ring_attention
+from .ulysses.attention import ulysses_attention
 from .validate import check_context_parallel
 
 __all__ = ["context_parallel_attention"]

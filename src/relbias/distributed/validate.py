@@ -15,9 +15,9 @@ from .._attention_inputs import check_bias, check_qkv, resolve_convention
 from .._int_args import check_int
 from ..backends.structured import far_distance
 from ..biases.base import RelativeBias
-from .blocks import BlockSettings
+from .ring.blocks import BlockSettings
 from .layout import check_layout, shard_pieces
-from .plan import resolve_kv_chunks
+from .ring.plan import resolve_kv_chunks
 
 __all__ = ["STRATEGIES", "ContextParallelCall", "check_context_parallel"]
 
@@ -35,7 +35,7 @@ class ContextParallelCall:
         strategy: "ring" or "ulysses".
         local_len: L/P, tokens per rank; seq_len: L.
         mask: None or the bool key padding mask shard (Bm, Hm, 1, L/P).
-        settings: the :class:`relbias.distributed.blocks.BlockSettings` of every block.
+        settings: the :class:`relbias.distributed.ring.blocks.BlockSettings` of every block.
         kv_chunks: the chunks (>= 1, resolved) in which a shard's keys and values travel the ring.
     """
 

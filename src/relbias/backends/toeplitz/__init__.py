@@ -16,7 +16,7 @@ Where they cannot be built (or ``RELBIAS_NATIVE=0``), the forward reads ``w`` th
 query rows of a block in reverse order) as the additive ``attn_mask`` of PyTorch's CPU flash kernel, one call per
 block of :data:`BLOCK_Q` query rows against the keys the block can see; the backward is that kernel's (no bias
 gradient) or the native kernel's pass in PyTorch (:mod:`relbias.backends.toeplitz._backward`). Everything runs with
-denormals flushed to zero on every thread (:func:`relbias.backends._denormals.flush_denormals`): ALiBi's far keys
+denormals flushed to zero on every thread (:func:`relbias.backends._shared.denormals.flush_denormals`): ALiBi's far keys
 otherwise land in float32 denormals (measured: forward 1.4x, backward 4x slower); exponentials are clamped at -87.
 Saved for backward: O(B·H·L·D).
 
@@ -35,8 +35,8 @@ import torch
 
 from ...biases.base import RelativeBias
 from ...call import AttentionCall
-from .._cpu_flash import cpu_flash_reasons
-from .._reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
+from .._shared.cpu_flash import cpu_flash_reasons
+from .._shared.reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
 from ._kernel import part_backward, toeplitz_apply
 from ._native import native_unavailable_reason
 from ..base import Backend

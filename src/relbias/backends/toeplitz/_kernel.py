@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from .._autograd import eager_function, first_order
-from .._cpu_flash import fused_backward, fused_forward
+from .._shared.autograd import eager_function, first_order
+from .._shared.cpu_flash import fused_backward, fused_forward
 from . import _native as _toeplitz_native
-from .._denormals import flush_denormals
+from .._shared.denormals import flush_denormals
 from ._view import block_mask, future_offsets, key_end, reversed_bias
-from ..blockwise import compute_dtype
+from .._shared.dtypes import compute_dtype
 
 __all__ = ["part_backward", "toeplitz_apply"]
 

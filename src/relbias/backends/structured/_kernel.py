@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from ..positions import Alignment
-from ._autograd import eager_function, first_order
-from ._bias_tiles import NativeSource
-from ._structured_parts import empty_rows, far_parts, merge_part, part_backward, run_part
-from ._tiled_kernel import TileProblem, tiled_backward, tiled_forward
-from .blockwise import compute_dtype
+from ...positions import Alignment
+from .._shared.autograd import eager_function, first_order
+from .._shared.bias_tiles import NativeSource
+from ._parts import empty_rows, far_parts, merge_part, part_backward, run_part
+from .._shared.tiled_kernel import TileProblem, tiled_backward, tiled_forward
+from .._shared.dtypes import compute_dtype
 
 __all__ = ["structured_apply"]
 

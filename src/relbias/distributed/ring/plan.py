@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .._int_args import check_int
+from ..._int_args import check_int
 
 __all__ = ["BLOCK_KINDS", "MAX_AUTO_KV_CHUNKS", "MIN_AUTO_CHUNK_TOKENS", "RingStats", "block_kind", "kv_chunks_of",
            "resolve_kv_chunks"]

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backends import toeplitz
-from ..backends.toeplitz import _native as _toeplitz_native
-from ..backends._autograd import first_order
-from ..backends._cpu_flash import fused_available, fused_backward
-from ..backends._structured_parts import additive_mask, empty_rows, part_backward, run_part
-from ..functional import attention
-from .merge import DOUBLE_BACKWARD_HINT
+from ...backends import toeplitz
+from ...backends.toeplitz import _native as _toeplitz_native
+from ...backends._shared.autograd import first_order
+from ...backends._shared.cpu_flash import fused_available, fused_backward
+from ...backends.structured._parts import additive_mask, empty_rows, part_backward, run_part
+from ...functional import attention
+from ..merge import DOUBLE_BACKWARD_HINT
 
 __all__ = ["bias_free_attention", "far_block_backward", "fused_runs"]
 

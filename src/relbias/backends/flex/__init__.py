@@ -33,11 +33,11 @@ import shutil
 
 import torch
 
-from ..biases.base import RelativeBias
-from ..call import AttentionCall
-from . import _flex_blocks
-from .base import Backend
-from ._reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
+from ...biases.base import RelativeBias
+from ...call import AttentionCall
+from . import _blocks as _flex_blocks
+from ..base import Backend
+from .._shared.reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
 
 __all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
 

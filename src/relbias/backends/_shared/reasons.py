@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..call import AttentionCall
+from ...call import AttentionCall
 
 __all__ = [
     "AUTO_REFERENCE_MAX_SCORES", "dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "small_block_reasons",

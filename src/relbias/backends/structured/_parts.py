@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..positions import Alignment
-from ._cpu_flash import fused_backward, fused_forward
+from ...positions import Alignment
+from .._shared.cpu_flash import fused_backward, fused_forward
 
 __all__ = ["HEAD_GROUP", "additive_mask", "empty_rows", "far_parts", "merge_part", "part_backward", "run_part"]
 

@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ._reasons import empty_axis_reasons
+from .reasons import empty_axis_reasons
 
 __all__ = ["cpu_flash_reasons", "fused_available", "fused_backward", "fused_forward"]
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._band_interior import interior_backward, interior_blocks, interior_forward
-from ._bias_tiles import mask_tile
+from .band_interior import interior_backward, interior_blocks, interior_forward
+from .bias_tiles import mask_tile
 
 __all__ = ["TileProblem", "tiled_backward", "tiled_forward"]
 

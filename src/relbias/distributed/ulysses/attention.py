@@ -3,7 +3,7 @@ sequence for H/P heads, and a second all-to-all turns the result back (Jacobs et
 System Optimizations for Enabling Training of Extreme Long Sequence Transformer Models", §3.1).
 
 Rank r gets heads ``[r·H/P, (r+1)·H/P)`` and the bias restricted to them
-(:func:`relbias.distributed.heads.slice_heads`; a shared one-head bias stays whole); the gathered sequence is put
+(:func:`relbias.distributed.ulysses.heads.slice_heads`; a shared one-head bias stays whole); the gathered sequence is put
 back in global order (zigzag shards are reordered), so single-device ``relbias.attention`` runs at positions
 0 .. L-1 with any backend. The key padding mask shards are all-gathered.
 
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ..backends._autograd import first_order
-from ..functional import attention
-from .comm import all_gather_seq, all_reduce_sum, all_to_all_dim0
+from ...backends._shared.autograd import first_order
+from ...functional import attention
+from ..comm import all_gather_seq, all_reduce_sum, all_to_all_dim0
 from .heads import slice_heads
-from .layout import layout_order
-from .merge import DOUBLE_BACKWARD_HINT
-from .validate import ContextParallelCall
+from ..layout import layout_order
+from ..merge import DOUBLE_BACKWARD_HINT
+from ..validate import ContextParallelCall
 
 __all__ = ["ulysses_attention"]
 

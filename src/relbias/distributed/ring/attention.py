@@ -1,17 +1,17 @@
 """Ring attention: keys and values rotate around the ring; each rank merges its blocks by log-sum-exp.
 
 Forward (Liu et al. 2023, "Ring Attention with Blockwise Transformers", §3): a rank's keys and values travel in
-``kv_chunks`` chunks C (:func:`relbias.distributed.plan.kv_chunks_of`; C = 1: the whole shard), one full rotation
+``kv_chunks`` chunks C (:func:`relbias.distributed.ring.plan.kv_chunks_of`; C = 1: the whole shard), one full rotation
 of the ring per chunk. At step s = 0 .. P-1 of a rotation, rank r holds that chunk of rank (r - s) mod P
 together with its piece starts (global positions) and its key padding mask slice; it posts the exchange of that
 block to rank r + 1 (and the receipt of the next one from r - 1), runs its blocks (one per pair of local query
-piece and travelling key piece, see :mod:`relbias.distributed.plan`) while the exchange is in flight, and folds
+piece and travelling key piece, see :mod:`relbias.distributed.ring.plan`) while the exchange is in flight, and folds
 each block's ``(out, lse)`` into its running result (:mod:`relbias.distributed.merge`). Chunks bound what a rank
 holds in flight to 1/C of a shard's keys and values (the one it computes with and the one it receives), for C
 times as many messages, each 1/C the size.
 
 Backward (a custom ``torch.autograd.Function``): the same rotations once more; per block, its share of the
-merged result's gradient (:func:`relbias.distributed.blocks.block_backward`): a far block, and a biased block the
+merged result's gradient (:func:`relbias.distributed.ring.blocks.block_backward`): a far block, and a biased block the
 toeplitz backend runs, get their kernel's backward with the merged output and global lse; any other block is
 recomputed with autograd and the share pushed through it. dq stays; dk and dv of the travelling chunk are added
 to the accumulators that travel with it, so after P hops they reach the rank that owns those keys. Each hop is
@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from ..backends._autograd import first_order
-from ..backends.blockwise import compute_dtype
+from ...backends._shared.autograd import first_order
+from ...backends._shared.dtypes import compute_dtype
 from .blocks import block_backward, run_block
-from .comm import RingChannel, all_reduce_sum
-from .layout import shard_pieces
-from .merge import DOUBLE_BACKWARD_HINT, merge_into
+from ..comm import RingChannel, all_reduce_sum
+from ..layout import shard_pieces
+from ..merge import DOUBLE_BACKWARD_HINT, merge_into
 from .plan import RingStats, block_kind, kv_chunks_of
-from .validate import ContextParallelCall
+from ..validate import ContextParallelCall
 
 __all__ = ["ring_attention"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .._int_args import check_int
-from ..biases.base import RelativeBias
+from ..._int_args import check_int
+from ...biases.base import RelativeBias
 
 __all__ = ["HeadSliceBias", "slice_heads"]
 

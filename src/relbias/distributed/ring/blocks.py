@@ -3,7 +3,7 @@ positions, and its share of the backward pass.
 
 A block of kind "bias" runs ``relbias.attention(..., query_start=, key_start=, return_lse=True)`` with the bias;
 a block of kind "past" / "future" (every offset beyond a far-constant bias's distance T, see
-:mod:`relbias.distributed.plan`) runs bias-free fused attention (:mod:`relbias.distributed.fused`) and adds the bias's per-head constant
+:mod:`relbias.distributed.ring.plan`) runs bias-free fused attention (:mod:`relbias.distributed.ring.fused`) and adds the bias's per-head constant
 ``c_h = bias_scale · PE_h(±T)`` to its log-sum-exp: a constant added to every score of a key set is absorbed
 into that set's log-sum-exp and leaves its softmax unchanged (the structured backend's identity).
 """
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..backends import BACKENDS
-from ..backends.toeplitz import toeplitz_attention, toeplitz_part_backward
-from ..biases.base import RelativeBias
-from ..call import make_call
-from ..functional import attention
+from ...backends import BACKENDS
+from ...backends.toeplitz import toeplitz_attention, toeplitz_part_backward
+from ...biases.base import RelativeBias
+from ...call import make_call
+from ...functional import attention
 from .fused import bias_free_attention, far_block_backward, fused_runs
-from .merge import part_gradients
+from ..merge import part_gradients
 
 __all__ = ["BlockSettings", "block_backward", "run_block"]
 
@@ -99,7 +99,7 @@ def run_block(
     Args:
         query: (B, H, lq, D) queries at positions ``query_start ...``; key, value: (B, H, lk, D / Dv) at
             ``key_start ...``; mask: None or a bool key padding mask (B or 1, H or 1, 1, lk).
-        kind: "bias", "past" or "future" (:func:`relbias.distributed.plan.block_kind`; never "skip").
+        kind: "bias", "past" or "future" (:func:`relbias.distributed.ring.plan.block_kind`; never "skip").
         settings: :class:`BlockSettings`.
 
     Differentiable in query, key, value and the bias parameters (``relbias.attention`` with ``return_lse``).
@@ -137,7 +137,7 @@ def block_backward(
     """One block's share of the gradients of a merged result.
 
     A far block on the fused CPU kernel runs the kernel's backward with the merged output and the global lse
-    (:func:`relbias.distributed.fused.far_block_backward`, no recompute), and so does a biased block that the
+    (:func:`relbias.distributed.ring.fused.far_block_backward`, no recompute), and so does a biased block that the
     toeplitz backend runs (an offset-only bias without a mask). Any other block's forward is rerun on
     detached copies of its inputs; the gradients reaching its
     ``(out_b, lse_b)`` from the merged output are ``w_b dO`` and ``w_b (dO . out_b - dO . out)``,

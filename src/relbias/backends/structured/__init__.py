@@ -21,8 +21,8 @@ Sources: the bucket saturation of T5 (Raffel et al. 2020, JMLR 21(140), §2.1) a
 (2018, NAACL, §3); merging partial softmaxes by their log-sum-exp as in FlashAttention's split-KV /
 Flash-Decoding (Dao et al. 2022, 2023); the backward formulas of FlashAttention (Dao et al. 2022, Alg. 2).
 
-Forward and backward are ``torch.library`` custom ops (:mod:`relbias.backends._structured_kernel`; the far parts in
-:mod:`relbias.backends._structured_parts`), so a compiled model calls each as one node; eager calls run the same
+Forward and backward are ``torch.library`` custom ops (:mod:`relbias.backends.structured._kernel`; the far parts in
+:mod:`relbias.backends.structured._parts`), so a compiled model calls each as one node; eager calls run the same
 functions through a plain ``autograd.Function``.
 
 Requirements (the dispatcher checks them and says why when one fails): an offset-only bias with a
@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import torch
 
-from ..biases.base import RelativeBias
-from ..call import AttentionCall
-from ._cpu_flash import cpu_flash_reasons
-from ._reasons import (
+from ...biases.base import RelativeBias
+from ...call import AttentionCall
+from .._shared.cpu_flash import cpu_flash_reasons
+from .._shared.reasons import (
     dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons, tensor_position_reasons,
 )
-from ._structured_kernel import structured_apply
-from ._structured_parts import far_parts
-from .base import Backend
+from ._kernel import structured_apply
+from ._parts import far_parts
+from ..base import Backend
 
 __all__ = ["BLOCK_Q", "StructuredBackend", "far_distance", "far_parts", "structured_attention"]
 
