@@ -71,15 +71,18 @@ def test_refusals(ranks, name):
 def test_settings_checked_without_processes():
     """Bad layouts and strategies are refused at construction; a forward without torch.distributed names it."""
     import torch
+    import torch.distributed as dist
+
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)  # a process group object; torch.distributed not initialised
 
     from relbias.integrations.transformers import patch_t5
     from relbias.nn import MultiheadAttention
 
     with pytest.raises(ValueError, match="layout must be one of"):
-        MultiheadAttention(8, 2, process_group=object(), cp_layout="striped")
+        MultiheadAttention(8, 2, process_group=group, cp_layout="striped")
     with pytest.raises(ValueError, match="cp_strategy must be one of"):
-        MultiheadAttention(8, 2, process_group=object(), cp_strategy="tree")
-    layer = MultiheadAttention(8, 2, batch_first=True, process_group=object())
+        MultiheadAttention(8, 2, process_group=group, cp_strategy="tree")
+    layer = MultiheadAttention(8, 2, batch_first=True, process_group=group)
     x = torch.randn(1, 4, 8)
     with pytest.raises(RuntimeError, match="init_process_group"):
         layer(x, x, x, need_weights=False)
@@ -87,6 +90,6 @@ def test_settings_checked_without_processes():
         layer(x, x, x)
     conftest = hf_helpers()
     with pytest.raises(ValueError, match="layout must be one of"):
-        patch_t5(conftest.tiny_model("t5", "EncoderModel"), process_group=object(), layout="striped")
+        patch_t5(conftest.tiny_model("t5", "EncoderModel"), process_group=group, layout="striped")
     with pytest.raises(RuntimeError, match="initialised torch.distributed"):
-        patch_t5(conftest.tiny_model("t5", "EncoderModel"), process_group=object())
+        patch_t5(conftest.tiny_model("t5", "EncoderModel"), process_group=group)

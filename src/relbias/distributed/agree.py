@@ -39,7 +39,7 @@ def _float(bits: int) -> float:
 
 #: how the message shows a setting's int (the others: as it is)
 _SHOWN = {"dtype": lambda code: _DTYPE_NAMES.get(code, code), "layout": LAYOUTS.__getitem__,
-          "strategy": STRATEGIES.__getitem__, "is_causal": bool, "scale": _float}
+          "strategy": STRATEGIES.__getitem__, "is_causal": bool, "scale": _float, "sync_bias_grads": bool}
 
 
 def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tensor) -> dict[str, int]:
@@ -53,6 +53,7 @@ def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tenso
         "scale": _bits(settings.scale), "bias (num_heads, 0: none)": 0 if bias is None else bias.num_heads,
         "mask (batch, 0: none)": 0 if mask is None else mask.shape[0],
         "mask (num_heads, 0: none)": 0 if mask is None else mask.shape[1], "kv_chunks": call.kv_chunks,
+        "sync_bias_grads": int(call.sync_bias_grads),
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..biases.base import RelativeBias
 from .agree import check_ranks_agree
@@ -25,11 +26,12 @@ def context_parallel_attention(
     is_causal: bool = False,
     scale: float | None = None,
     convention: str | None = None,
-    group: dist.ProcessGroup | None = None,
+    group: dist.ProcessGroup | DeviceMesh | None = None,
     layout: str = "contiguous",
     strategy: str = "ring",
     stats: RingStats | None = None,
     kv_chunks: int | None = None,
+    sync_bias_grads: bool = True,
 ) -> torch.Tensor:
     """Exact self-attention with a relative position bias over a sequence sharded along its length.
 
@@ -71,13 +73,16 @@ def context_parallel_attention(
         key: (B, H, L/P, D), the same positions as ``query``; same dtype and device.
         value: (B, H, L/P, Dv), same positions, dtype and device.
         bias: None or a :class:`relbias.RelativeBias` module (num_heads 1 or H), the same on every rank
-            (e.g. a replicated model's); its parameters' gradients are summed over the group.
+            (e.g. a replicated model's); its parameters' gradients are summed over the group (see
+            ``sync_bias_grads``).
         mask: None or this rank's shard of a bool key padding mask (B or 1, H or 1, 1, L/P), True = may
             attend, sharded like the keys (``shard(full_mask, P, r, layout=..., dim=-1)``).
         is_causal: hide keys with offset ``i - j < 0`` (global positions). Default False.
         scale: multiplier of ``q . k``; default ``1 / sqrt(D)`` for "seed" and "additive", 1 for "t5".
         convention: "seed", "additive" or "t5"; default the bias's own ("seed" without a bias).
-        group: the process group whose ranks hold the shards, in rank order; default the default group.
+        group: the ranks that hold the shards, in rank order: a process group, or a 1-D ``DeviceMesh`` (a named
+            dimension of a larger mesh, ``mesh["cp"]``, as FSDP2 and torchtitan compose them); default the default
+            group.
         layout: "contiguous" (default) or "zigzag".
         strategy: "ring" (default) or "ulysses".
         stats: a :class:`relbias.distributed.RingStats` to which the ring adds the counts of its forward
@@ -88,6 +93,11 @@ def context_parallel_attention(
             shard at once; C > 1: a multiple of the shard's pieces (1 contiguous, 2 zigzag) whose chunks split every
             piece evenly. Default None: 1 on one rank; else 4, 2 or 1, the most that keep chunks whole and at least
             256 tokens long. "ulysses" only checks that it is None or an int >= 1.
+        sync_bias_grads: True (default): the bias parameters' gradients come back summed over ``group``, complete
+            on every rank, for a model replicated over the group whose other gradients the caller reduces itself.
+            False: each rank keeps its own part, like every other parameter's gradient, for a data-parallel wrapper
+            that reduces gradients over these ranks as well (FSDP2 over a flattened data x context mesh, DDP over
+            the context ranks); summing them there again would count the bias's gradient P times.
 
     Returns:
         (B, H, L/P, Dv) this rank's output shard, in the dtype of ``query``; differentiable in query, key,
@@ -97,10 +107,11 @@ def context_parallel_attention(
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        TypeError: as :func:`relbias.attention`; a ``kv_chunks`` neither None nor an int; a bias that is not a
+        TypeError: as :func:`relbias.attention`; a ``kv_chunks`` neither None nor an int; a ``group`` that is not a
+            process group, a DeviceMesh or None; a non-bool ``sync_bias_grads``; a bias that is not a
             RelativeBias module (tensor biases have no global positions); a mask that is not bool; a non-bool
             ``is_causal``.
-        ValueError: an unknown ``layout`` or ``strategy``; a ``kv_chunks`` below 1 or not splitting the pieces
+        ValueError: a DeviceMesh of more than one dimension; an unknown ``layout`` or ``strategy``; a ``kv_chunks`` below 1 or not splitting the pieces
             evenly; local query and key lengths that differ; an odd local length with "zigzag" (L not divisible
             by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped (B or 1, H or 1, 1, L/P); a causal-only
             bias without ``is_causal``; a bias that cannot evaluate the sequence's offsets (per-offset table
@@ -118,7 +129,7 @@ def context_parallel_attention(
     """
     call = check_context_parallel(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-        group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks,
+        group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks, sync_bias_grads=sync_bias_grads,
     )
     check_ranks_agree(call, query, value)
     if call.strategy == "ring":

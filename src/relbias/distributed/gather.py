@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather_seq
+from .groups import resolve_group
 from .layout import check_layout, shard, unshard
 
 __all__ = ["gather_sequence"]
@@ -41,14 +42,14 @@ def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
 
 
 def gather_sequence(
-    tensor: torch.Tensor, *, dim: int = -2, group: dist.ProcessGroup | None = None, layout: str = "contiguous"
+    tensor: torch.Tensor, *, dim: int = -2, group: object = None, layout: str = "contiguous"
 ) -> torch.Tensor:
     """The full sequence from every rank's shard: the inverse of :func:`relbias.distributed.shard`, collectively.
 
     Args:
         tensor: this rank's shard, length L/P along ``dim``, the same shape on every rank of ``group``.
         dim: the sequence dimension; default -2 ((B, H, L/P, D) keys or values).
-        group: the process group (default the default group); ranks in group order.
+        group: the process group or 1-D ``DeviceMesh`` (default the default group); ranks in group order.
         layout: the layout the sequence was sharded with, "contiguous" (default) or "zigzag".
 
     Returns:
@@ -57,9 +58,11 @@ def gather_sequence(
         rank must run the backward when one does. Bool and integer tensors (masks) are gathered as they are.
 
     Raises:
-        ValueError: an unknown layout; an odd shard length with "zigzag".
+        ValueError: an unknown layout; an odd shard length with "zigzag"; a DeviceMesh of more than one dimension.
+        TypeError: a ``group`` that is not a process group, a DeviceMesh or None.
     """
     check_layout(layout)
+    group = resolve_group(group)
     if dist.get_world_size(group) == 1:
         return tensor
     dim = dim % tensor.dim()

@@ -16,6 +16,7 @@ from .._int_args import check_int
 from ..backends.structured import far_distance
 from ..biases.base import RelativeBias
 from .ring.blocks import BlockSettings
+from .groups import resolve_group
 from .layout import check_layout, shard_pieces
 from .ring.plan import resolve_kv_chunks
 
@@ -37,6 +38,8 @@ class ContextParallelCall:
         mask: None or the bool key padding mask shard (Bm, Hm, 1, L/P).
         settings: the :class:`relbias.distributed.ring.blocks.BlockSettings` of every block.
         kv_chunks: the chunks (>= 1, resolved) in which a shard's keys and values travel the ring.
+        sync_bias_grads: sum the bias parameters' gradients over the group in backward (True) or leave each rank
+            its own part (False).
     """
 
     group: dist.ProcessGroup | None
@@ -48,6 +51,7 @@ class ContextParallelCall:
     mask: torch.Tensor | None
     settings: BlockSettings
     kv_chunks: int = 1
+    sync_bias_grads: bool = True
 
     @property
     def seq_len(self) -> int:
@@ -91,10 +95,11 @@ def check_context_parallel(
     is_causal: object,
     scale: float | None,
     convention: str | None,
-    group: dist.ProcessGroup | None,
+    group: object,
     layout: object,
     strategy: object,
     kv_chunks: object = None,
+    sync_bias_grads: object = True,
 ) -> ContextParallelCall:
     """Validate the arguments of :func:`relbias.distributed.context_parallel_attention`.
 
@@ -110,6 +115,9 @@ def check_context_parallel(
             "context-parallel attention needs an initialised torch.distributed process group; call "
             "torch.distributed.init_process_group first (e.g. under torchrun)"
         )
+    group = resolve_group(group)
+    if not isinstance(sync_bias_grads, bool):
+        raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if rank < 0:
         raise ValueError(
@@ -161,4 +169,6 @@ def check_context_parallel(
             check_int("kv_chunks", kv_chunks, minimum=1)
         chunks = 1
     settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias))
-    return ContextParallelCall(group, world_size, rank, layout, strategy, local_len, mask, settings, chunks)
+    return ContextParallelCall(
+        group, world_size, rank, layout, strategy, local_len, mask, settings, chunks, sync_bias_grads
+    )

@@ -83,12 +83,12 @@ class ByteLMConfig:
 class _Block(nn.Module):
     """Pre-norm decoder block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, config: ByteLMConfig, position_bias: nn.Module | None) -> None:
+    def __init__(self, config: ByteLMConfig, position_bias: nn.Module | None, context_parallel: dict) -> None:
         super().__init__()
         self.ln_attn = nn.LayerNorm(config.embed_dim)
         self.attn = MultiheadAttention(
             config.embed_dim, config.num_heads, batch_first=True, position_bias=position_bias, is_causal=True,
-            backend=config.backend, convention=config.convention,
+            backend=config.backend, convention=config.convention, **context_parallel,
         )
         self.ln_mlp = nn.LayerNorm(config.embed_dim)
         hidden = config.mlp_ratio * config.embed_dim
@@ -108,13 +108,23 @@ class ByteLM(nn.Module):
 
     Args:
         config: a :class:`ByteLMConfig`.
+        process_group: None (default) or the ranks over which every sequence is sharded along its length (context
+            parallelism): a ``torch.distributed`` process group or a 1-D ``DeviceMesh`` (``mesh["cp"]``). Each rank
+            then passes its shard of the tokens (:func:`relbias.distributed.shard`, ``dim=1``, in ``cp_layout``)
+            and gets the logits of its shard; attention runs
+            :func:`relbias.distributed.context_parallel_attention` at global positions.
+        cp_layout: with ``process_group``: "contiguous" (default) or "zigzag".
+        cp_sync_bias_grads: with ``process_group``: True (default) sums the position biases' gradients over the
+            group; False leaves each rank its part, like every other parameter's, for FSDP2 or DDP reducing over
+            the context-parallel ranks too (:class:`relbias.nn.MultiheadAttention`).
 
     Attributes:
         position_biases: the bias modules in use (one if shared, one per layer otherwise; empty for
             "none").
 
     Raises:
-        ValueError: an invalid config (see :meth:`ByteLMConfig.validate`); errors of the family factory.
+        ValueError: an invalid config (see :meth:`ByteLMConfig.validate`); errors of the family factory and of
+            :class:`relbias.nn.MultiheadAttention`'s context-parallel arguments.
 
     Example:
         >>> model = ByteLM(ByteLMConfig(position="t5", max_len=32))
@@ -123,10 +133,20 @@ class ByteLM(nn.Module):
         torch.Size([1, 11, 256])
     """
 
-    def __init__(self, config: ByteLMConfig) -> None:
+    def __init__(
+        self,
+        config: ByteLMConfig,
+        *,
+        process_group: object = None,
+        cp_layout: str = "contiguous",
+        cp_sync_bias_grads: bool = True,
+    ) -> None:
         super().__init__()
         config.validate()
         self.config = config
+        context_parallel = {} if process_group is None else {
+            "process_group": process_group, "cp_layout": cp_layout, "cp_sync_bias_grads": cp_sync_bias_grads,
+        }
 
         def new_bias():
             return make_bias(
@@ -138,7 +158,7 @@ class ByteLM(nn.Module):
         biases = [shared if config.share_position_bias else new_bias() for _ in range(config.num_layers)]
         self.position_biases = nn.ModuleList({id(b): b for b in biases if b is not None}.values())
         self.embed = nn.Embedding(VOCAB_SIZE, config.embed_dim)
-        self.blocks = nn.ModuleList(_Block(config, b) for b in biases)
+        self.blocks = nn.ModuleList(_Block(config, b, context_parallel) for b in biases)
         self.ln_out = nn.LayerNorm(config.embed_dim)
         self.apply(self._init)
 
@@ -174,7 +194,7 @@ class ByteLM(nn.Module):
         """Next-byte logits for every position.
 
         Args:
-            tokens: int64 (B, L), byte values in [0, 255].
+            tokens: int64 (B, L), byte values in [0, 255]; under ``process_group``, this rank's shard (B, L/P).
             cache: from :meth:`make_cache`, to decode incrementally; the tokens sit at positions
                 ``cache_position .. cache_position + L - 1``.
             cache_position: absolute position (tokens) of ``tokens[:, 0]``; default the caches' length

@@ -109,6 +109,7 @@ class _ContextParallel:
     group: object  # a torch.distributed ProcessGroup, or None for the default group
     layout: str
     strategy: str
+    sync_bias_grads: bool = True
 
 
 @dataclass
@@ -218,6 +219,7 @@ def _context_parallel_attention(module, query, key, value, attention_mask, dropo
     out = context_parallel_attention(
         query, key, value, bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
         group=parallel.group, layout=parallel.layout, strategy=parallel.strategy,
+        sync_bias_grads=parallel.sync_bias_grads,
     )  # (B, H, L/P, D)
     return out.transpose(1, 2).contiguous(), None
 
@@ -371,6 +373,7 @@ def patch_t5(
     process_group: object = None,
     layout: str = "contiguous",
     strategy: str = "ring",
+    sync_bias_grads: bool = True,
 ) -> nn.Module:
     """Make a transformers T5-family model compute its self-attention with :func:`relbias.attention`.
 
@@ -391,8 +394,9 @@ def patch_t5(
         backend: relbias backend for every self-attention layer: ``"auto"`` or a key of
             ``relbias.backends.BACKENDS``; default None: :func:`relbias.attention`'s default, read at each call
             (``"auto"``: the dispatcher picks by device, dtype, grad mode, mask and length).
-        process_group: None (default) or a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
-            for the default one) over whose ranks every sequence is sharded along its length (context
+        process_group: None (default), a ``torch.distributed`` process group (``torch.distributed.group.WORLD``
+            for the default one) or a 1-D ``DeviceMesh`` (a named dimension of a larger mesh, ``mesh["cp"]``) over
+            whose ranks every sequence is sharded along its length (context
             parallelism). Each rank then calls the model with its own shard of ``input_ids`` / ``attention_mask``
             (and of ``decoder_input_ids`` / ``decoder_attention_mask``), cut with
             :func:`relbias.distributed.shard` (``dim=1``) in ``layout``, and gets its shard of the outputs
@@ -406,10 +410,14 @@ def patch_t5(
             ``output_attentions``, no attention dropout in training, no ``labels`` without ``decoder_input_ids``
             (shift the full labels, then shard); the loss transformers computes is this rank's mean. Gradients:
             the ``relative_attention_bias`` tables come back summed over the group (as context_parallel_attention
-            does); every other parameter's gradient is this rank's part, to be summed over the group. Every rank
+            does; see ``sync_bias_grads``); every other parameter's gradient is this rank's part, to be summed over the group. Every rank
             must make the same calls with the same shapes.
         layout: with ``process_group``: "contiguous" (default) or "zigzag" (:mod:`relbias.distributed.layout`).
         strategy: with ``process_group``: "ring" (default) or "ulysses" (needs num_heads % P == 0).
+        sync_bias_grads: with ``process_group``: True (default) sums the ``relative_attention_bias`` gradients over
+            the group in backward; False leaves each rank its part, like every other parameter's, for a
+            data-parallel wrapper that reduces over the group's ranks too (FSDP2 over a flattened data x context
+            mesh; see :func:`relbias.distributed.context_parallel_attention`).
 
     Returns:
         ``model``, patched.
@@ -419,9 +427,10 @@ def patch_t5(
         RuntimeError: a transformers version outside :data:`SUPPORTED_TRANSFORMERS`, or a T5 attention layout this
             patch does not know.
         TypeError: an unsupported model class (LongT5, UDOP and Pix2Struct use the T5 bias with another attention
-            or layout; the message lists the supported classes).
+            or layout; the message lists the supported classes); a ``process_group`` that is not a process group,
+            a DeviceMesh or None; a non-bool ``sync_bias_grads``.
         ValueError: the model is already patched; an attention implementation other than "sdpa" / "eager"; an
-            unknown backend.
+            unknown backend; a DeviceMesh of more than one dimension as ``process_group``.
     """
     check_transformers_version()
     from transformers.modeling_utils import AttentionInterface
@@ -436,6 +445,7 @@ def patch_t5(
     if process_group is not None:
         import torch.distributed as dist
 
+        from ..distributed.groups import resolve_group
         from ..distributed.layout import check_layout
         from ..distributed.validate import STRATEGIES
 
@@ -444,7 +454,10 @@ def patch_t5(
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("patch_t5(process_group=...) needs an initialised torch.distributed process group")
-        parallel = _ContextParallel(None if process_group is dist.group.WORLD else process_group, layout, strategy)
+        if not isinstance(sync_bias_grads, bool):
+            raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
+        group = resolve_group(process_group, argument="process_group")
+        parallel = _ContextParallel(group, layout, strategy, sync_bias_grads)
 
     stacks = self_attention_modules(model)
     for name, attentions in stacks.items():

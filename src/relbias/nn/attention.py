@@ -68,8 +68,9 @@ class MultiheadAttention(nn.Module):
             runs "reference".
         convention: score convention ("seed", "additive", "t5"); default the bias module's own.
         scale: score scale; default that of the convention (``1/sqrt(head_dim)``, or 1 for "t5").
-        process_group: None (default: the layer sees whole sequences) or a ``torch.distributed`` process
-            group (``torch.distributed.group.WORLD`` for the default one) over which sequences are sharded
+        process_group: None (default: the layer sees whole sequences), a ``torch.distributed`` process
+            group (``torch.distributed.group.WORLD`` for the default one) or a 1-D ``DeviceMesh`` (a named
+            dimension of a larger mesh, ``mesh["cp"]``) over which sequences are sharded
             along their length (context parallelism). Then every rank of the group calls the layer with its
             own shard of the query (and, for cross-attention, its shard of the memory, sharded the same way)
             and gets back its output shard; the result is the single-process layer's on the unsharded
@@ -81,11 +82,16 @@ class MultiheadAttention(nn.Module):
             ``key_padding_mask`` must be bool, (B, S/P), this rank's shard of the full padding mask (every
             rank passes one or none does); ``backend`` is not used by self-attention. Gradients: the
             parameters of a self-attention layer's ``position_bias`` come back summed over the group (as
-            ``context_parallel_attention`` does); every other gradient (projections, a cross-attention
-            layer's bias) is this rank's part, to be summed over the group (as data-parallel training does).
+            ``context_parallel_attention`` does; ``cp_sync_bias_grads=False`` leaves them this rank's part);
+            every other gradient (projections, a cross-attention layer's bias) is this rank's part, to be
+            summed over the group (as data-parallel training does).
         cp_layout: with ``process_group``, how sequences are sharded: "contiguous" (default; rank r holds
             positions ``[r·L/P, (r+1)·L/P)``) or "zigzag" (see :mod:`relbias.distributed.layout`).
         cp_strategy: with ``process_group``, self-attention's strategy: "ring" (default) or "ulysses".
+        cp_sync_bias_grads: with ``process_group``: True (default) sums the ``position_bias`` gradients over the
+            group in backward; False leaves each rank its part, like every other parameter's, for a data-parallel
+            wrapper that reduces over the group's ranks too (FSDP2 over a flattened data x context mesh;
+            ``sync_bias_grads`` of :func:`relbias.distributed.context_parallel_attention`).
 
     Not supported (a TypeError for the unexpected keyword, never a silent difference): torch's
     ``dropout``, ``bias`` (here ``proj_bias``), ``add_bias_kv``, ``add_zero_attn``.
@@ -93,7 +99,9 @@ class MultiheadAttention(nn.Module):
     Raises:
         ValueError: sizes < 1, ``embed_dim`` not divisible by ``num_heads``, an unknown backend or
             convention, ``is_causal`` with cross-attention, a bias with heads neither 1 nor H.
-        TypeError: a ``position_bias`` that is not a RelativeBias; a non-bool ``batch_first``.
+        TypeError: a ``position_bias`` that is not a RelativeBias; a non-bool ``batch_first`` or
+            ``cp_sync_bias_grads``; a ``process_group`` that is not a process group, a 1-D DeviceMesh or None
+            (a DeviceMesh of more than one dimension: ValueError).
 
     Example:
         >>> import torch, relbias
@@ -128,6 +136,7 @@ class MultiheadAttention(nn.Module):
         process_group: object = None,
         cp_layout: str = "contiguous",
         cp_strategy: str = "ring",
+        cp_sync_bias_grads: bool = True,
     ) -> None:
         super().__init__()
         _positive_int("embed_dim", embed_dim)
@@ -150,13 +159,18 @@ class MultiheadAttention(nn.Module):
             raise ValueError(f"convention must be one of {CONVENTIONS} or None, got {convention!r}")
         if cross_attention and is_causal:
             raise ValueError("is_causal applies to self-attention; a cross-attention layer sees the whole memory")
+        from ..distributed.groups import resolve_group
         from ..distributed.layout import check_layout
         from ..distributed.validate import STRATEGIES
 
         check_layout(cp_layout)
         if cp_strategy not in STRATEGIES:
             raise ValueError(f"cp_strategy must be one of {STRATEGIES}, got {cp_strategy!r}")
+        if not isinstance(cp_sync_bias_grads, bool):
+            raise TypeError(f"cp_sync_bias_grads must be a bool, got {cp_sync_bias_grads!r}")
+        resolve_group(process_group, argument="process_group")  # the type and shape checks, at construction
         self.process_group, self.cp_layout, self.cp_strategy = process_group, cp_layout, cp_strategy
+        self.cp_sync_bias_grads = cp_sync_bias_grads
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
         self.kdim, self.vdim, self.batch_first = kdim, vdim, batch_first
         self.position_bias = position_bias
@@ -314,6 +328,7 @@ class MultiheadAttention(nn.Module):
     def _forward_context_parallel(self, query, key, value, kpm, need_weights, attn_mask, is_causal, cache, cache_position):
         """forward under ``process_group``: this rank's shards in, this rank's output shard out."""
         from ..distributed import context_parallel_attention, gather_sequence, shard_pieces
+        from ..distributed.groups import resolve_group
         import torch.distributed as dist
 
         if need_weights:
@@ -338,7 +353,7 @@ class MultiheadAttention(nn.Module):
                 "MultiheadAttention(process_group=...) needs an initialised torch.distributed; call "
                 "torch.distributed.init_process_group first"
             )
-        group = None if self.process_group is dist.group.WORLD else self.process_group
+        group = resolve_group(self.process_group, argument="process_group")
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
         batch, q_len = q_in.shape[0], q_in.shape[1]
@@ -372,7 +387,7 @@ class MultiheadAttention(nn.Module):
             out = context_parallel_attention(
                 q, k, v, bias=self.position_bias, mask=keep, is_causal=self.is_causal or is_causal,
                 scale=self.scale, convention=self.convention, group=group, layout=self.cp_layout,
-                strategy=self.cp_strategy,
+                strategy=self.cp_strategy, sync_bias_grads=self.cp_sync_bias_grads,
             )
         else:
             if is_causal:

@@ -18,7 +18,7 @@ to the accumulators that travel with it, so after P hops they reach the rank tha
 posted after the block's compute and waited for before the next step's compute, which then adds into the
 received accumulators in place: a rank holds one pair of them at a time (waiting after the compute, to overlap
 the hop, would hold three: those in flight each way and this step's). Bias-parameter gradients are partial
-per rank and summed over the group with one ``all_reduce``. Every rank must call backward. Saved for
+per rank and summed over the group with one ``all_reduce`` (unless ``sync_bias_grads=False``). Every rank must call backward. Saved for
 backward: the local q, k, v, mask shard, the merged output and lse (O(L/P · D) per rank).
 """
 
@@ -94,7 +94,8 @@ def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats 
 
 
 def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_out, params):
-    """(dq, dk, dv in the compute dtype, bias-parameter gradients summed over the group)."""
+    """(dq, dk, dv in the compute dtype, bias-parameter gradients: summed over the group, or this rank's part when
+    ``call.sync_bias_grads`` is False)."""
     compute = out.dtype
     grad_out = grad_out.to(compute)
     dq = torch.zeros(query.shape, dtype=compute, device=query.device)
@@ -109,7 +110,7 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
             dk_chunk, dv_chunk = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams)
             dk[:, :, keys] = dk_chunk
             dv[:, :, keys] = dv_chunk
-    return dq, dk, dv, all_reduce_sum(dparams, call.group)
+    return dq, dk, dv, all_reduce_sum(dparams, call.group) if call.sync_bias_grads else dparams
 
 
 def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out, params, dq, dparams):

@@ -10,7 +10,7 @@ back in global order (zigzag shards are reordered), so single-device ``relbias.a
 Backward (a custom ``torch.autograd.Function``): the output gradient travels the inverse all-to-all, autograd
 runs through the single-device attention kept from forward (its backends save O(L · H/P · D)), dq, dk, dv travel
 back, and the bias-parameter gradients (partial: this rank's heads) are summed over the group with one
-``all_reduce``. Every rank must call backward.
+``all_reduce`` (unless ``sync_bias_grads=False``). Every rank must call backward.
 """
 
 from __future__ import annotations
@@ -102,7 +102,9 @@ class _UlyssesFunction(torch.autograd.Function):
         grads = torch.autograd.grad(out, leaves + params, grad_heads, allow_unused=True)
         dq, dk, dv = (ctx.reshard.to_sequence(g if g is not None else torch.zeros_like(t)) for g, t in zip(grads[:3], leaves))
         dparams = [g if g is not None else torch.zeros_like(p) for g, p in zip(grads[3:], params)]
-        return (dq, dk, dv, None, *all_reduce_sum(dparams, ctx.call.group))
+        if ctx.call.sync_bias_grads:
+            dparams = all_reduce_sum(dparams, ctx.call.group)
+        return (dq, dk, dv, None, *dparams)
 
 
 def ulysses_attention(call: ContextParallelCall, query, key, value) -> torch.Tensor:
