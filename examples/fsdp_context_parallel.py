@@ -49,19 +49,19 @@ def bytelm_config(position: str, seq_len: int) -> ByteLMConfig:
 
 
 def build_bytelm(config: ByteLMConfig, mesh: DeviceMesh | None, fsdp_mesh: DeviceMesh | None, *, seed: int = 0,
-                 layout: str = "zigzag", reshard_after_forward: bool = True) -> torch.nn.Module:
-    """ByteLM initialised from ``seed``; with meshes, context parallel over ``mesh["cp"]`` and FSDP2 over
-    ``fsdp_mesh`` (one FSDP group at the root: the layers share one bias module, which per-layer groups would
+                 layout: str = "zigzag", reshard_after_forward: bool = True, device: str = "cpu") -> torch.nn.Module:
+    """ByteLM initialised from ``seed`` on ``device``; with meshes, context parallel over ``mesh["cp"]`` and FSDP2
+    over ``fsdp_mesh`` (one FSDP group at the root: the layers share one bias module, which per-layer groups would
     free between its uses)."""
     torch.manual_seed(seed)
     if mesh is None:
-        return ByteLM(config)
-    model = ByteLM(config, process_group=mesh["cp"], cp_layout=layout, cp_sync_bias_grads=False)
+        return ByteLM(config).to(device)
+    model = ByteLM(config, process_group=mesh["cp"], cp_layout=layout, cp_sync_bias_grads=False).to(device)
     return fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def build_t5(mesh: DeviceMesh | None, fsdp_mesh: DeviceMesh | None, *, seed: int = 0, layout: str = "zigzag",
-             reshard_after_forward: bool = True) -> torch.nn.Module:
+             reshard_after_forward: bool = True, device: str = "cpu") -> torch.nn.Module:
     """A tiny ``T5ForConditionalGeneration`` (2 layers, width 32, 4 heads, dropout 0) from a config, seeded, patched
     with relbias; with meshes, its sequences sharded over ``mesh["cp"]`` and FSDP2 over ``fsdp_mesh``."""
     import transformers
@@ -72,7 +72,7 @@ def build_t5(mesh: DeviceMesh | None, fsdp_mesh: DeviceMesh | None, *, seed: int
                                    relative_attention_num_buckets=8, relative_attention_max_distance=32,
                                    dropout_rate=0.0, decoder_start_token_id=0)
     torch.manual_seed(seed)
-    model = transformers.T5ForConditionalGeneration(config)
+    model = transformers.T5ForConditionalGeneration(config).to(device)
     if mesh is None:
         return patch_t5(model)
     patch_t5(model, process_group=mesh["cp"], layout=layout, sync_bias_grads=False)
@@ -105,7 +105,7 @@ def local_rows(batch: torch.Tensor, mesh: DeviceMesh | None, layout: str = "zigz
 def loss_of(model: torch.nn.Module, rows: torch.Tensor, kind: str) -> torch.Tensor:
     """The mean next-token cross-entropy over the rows' tokens (nats); ``rows`` = (inputs, targets) from
     :func:`local_rows`. ByteLM reads the inputs; T5 reads them as both the encoder's and the decoder's input ids."""
-    inputs, targets = rows
+    inputs, targets = rows.to(next(model.parameters()).device)
     if kind == "bytelm":
         logits = model(inputs)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -161,11 +161,13 @@ def main() -> None:
     dist.init_process_group(args.backend)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist.get_world_size()))
+        if args.device == "cuda":  # one GPU per process
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         mesh, fsdp_mesh = make_meshes(args.dp, args.cp, args.device)
         if args.model == "bytelm":
-            model = build_bytelm(bytelm_config(args.position, args.seq_len), mesh, fsdp_mesh)
+            model = build_bytelm(bytelm_config(args.position, args.seq_len), mesh, fsdp_mesh, device=args.device)
         else:
-            model = build_t5(mesh, fsdp_mesh)
+            model = build_t5(mesh, fsdp_mesh, device=args.device)
         losses, _ = train(model, text_batches(args.steps, args.rows, args.seq_len), mesh, args.model)
         if dist.get_rank() == 0:
             for step, loss in enumerate(losses, 1):

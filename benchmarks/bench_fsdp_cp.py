@@ -1,0 +1,178 @@
+"""Benchmark: training ByteLM with FSDP2 and context parallelism on 4 ranks, by how the ranks are split.
+
+Configurations (dp x cp = 4 ranks): dp=4 (no context parallelism: every rank holds whole sequences), 2x2, and cp=4
+(no data parallelism). Each data-parallel group trains on one sequence of ``--length`` tokens per step, the
+long-context regime where a sequence is the unit of work, so a rank holds L / cp tokens: what context parallelism
+buys is that a rank's share of a sequence falls with cp. FSDP2 shards parameters, gradients and AdamW's state
+over all 4 ranks (the flattened dp x cp mesh) in every configuration; attention is relbias' ring over "cp"
+(examples/fsdp_context_parallel.py's functions; a T5 bias, 2 layers, width 64, 4 heads).
+
+Per configuration, the largest over ranks of:
+
+* peak memory: the rank's peak resident set during the timed steps (``VmHWM`` after ``echo 5 >
+  /proc/self/clear_refs``) above its resident set after imports and the process group, before the model and the
+  data exist, MiB, with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave the resident set;
+* step time: wall-clock time of one AdamW step (forward, backward, clipping, update; median of ``--repeats``
+  after one warm-up step), and the process CPU time summed over ranks.
+
+Ratios against dp=4 measured in the same run are printed, with the 1-minute load average before and after.
+
+Target: per-rank peak memory at 16384 tokens on 2x2 at most 0.6x that of dp=4.
+
+Usage::
+
+    python benchmarks/bench_fsdp_cp.py                      # 16384 tokens, dp x cp = 4x1, 2x2, 1x4
+    python benchmarks/bench_fsdp_cp.py --length 2048 --repeats 1      # smoke run
+
+Every configuration runs in 4 fresh processes of this script (``--child``) meeting through a ``file://``
+rendezvous in a temporary folder: gloo on CPU, loopback only, one torch thread each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MIB = 1024 * 1024
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_context_parallel.py"
+CONFIGS = ((4, 1), (2, 2), (1, 4))
+
+
+def _recipe():
+    spec = importlib.util.spec_from_file_location("fsdp_context_parallel", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as handle:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", handle.read(), re.M).group(1))
+
+
+def measure_rank(spec: dict) -> dict:
+    """One rank of one (dp, cp) configuration, inside an initialised process group: its figures."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from relbias.experiments import ByteLM
+
+    r = _recipe()
+    dp, cp = spec["dp"], spec["cp"]
+    mesh, fsdp_mesh = r.make_meshes(dp, cp)
+    baseline = _status_kib("VmRSS") * 1024  # after imports, the process group and the meshes; no model, no data
+    config = r.bytelm_config("t5", spec["length"])
+    if cp == 1:  # no context parallelism: plain attention on whole sequences
+        torch.manual_seed(0)
+        model = fully_shard(ByteLM(config), mesh=fsdp_mesh)
+    else:
+        model = r.build_bytelm(config, mesh, fsdp_mesh)
+    batches = r.text_batches(spec["repeats"] + 1, dp, spec["length"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(batch) -> None:
+        loss = r.loss_of(model, r.local_rows(batch, mesh), "bytelm")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    dist.barrier()
+    step(batches[0])  # warm-up: optimizer state, kernels built
+    dist.barrier()
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    walls, cpus = [], []
+    for batch in batches[1:]:
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        step(batch)
+        walls.append((time.perf_counter() - w0) * 1e3)
+        cpus.append((time.process_time() - c0) * 1e3)
+    peak = _status_kib("VmHWM") * 1024 - baseline
+    return {"rank": dist.get_rank(), "peak_mib": peak / MIB, "wall_ms": statistics.median(walls),
+            "cpu_ms": statistics.median(cpus)}
+
+
+def _child(argv: list[str]) -> None:
+    """``--child RANK WORLD INIT_FILE OUT SPEC_JSON``: one spawned rank."""
+    rank, world, init_file, out, spec = int(argv[0]), int(argv[1]), argv[2], argv[3], json.loads(argv[4])
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    try:
+        result = measure_rank(spec)
+        with open(out, "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_spawned(spec: dict) -> list[dict]:
+    """One configuration in 4 fresh processes; their results, in rank order."""
+    world = spec["dp"] * spec["cp"]
+    with tempfile.TemporaryDirectory() as folder:
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MALLOC_MMAP_THRESHOLD_="65536")
+        outs = [os.path.join(folder, f"rank{r}.json") for r in range(world)]
+        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(r), str(world), os.path.join(folder, "rdzv"),
+                                   outs[r], json.dumps(spec)], env=env) for r in range(world)]
+        try:
+            for p in procs:
+                p.wait(timeout=spec["timeout_s"] * 4)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"a rank failed at dp={spec['dp']}, cp={spec['cp']} (return codes "
+                               f"{[p.returncode for p in procs]})")
+        return [json.load(open(o)) for o in outs]
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2:])
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=16384, help="tokens per sequence (divisible by 8)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps after one warm-up")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    args = parser.parse_args()
+    load_before = os.getloadavg()[0]
+    rows = []
+    for dp, cp in CONFIGS:
+        spec = {"dp": dp, "cp": cp, "length": args.length, "repeats": args.repeats, "timeout_s": args.timeout_s}
+        ranks = run_spawned(spec)
+        rows.append({"config": f"{dp}x{cp}", "peak_mib": max(r["peak_mib"] for r in ranks),
+                     "wall_ms": max(r["wall_ms"] for r in ranks), "cpu_sum_ms": sum(r["cpu_ms"] for r in ranks)})
+        print(f"dp x cp = {dp}x{cp}: done", flush=True)
+    base = rows[0]
+    print(f"\nByteLM (T5 bias, 2 layers, width 64, 4 heads), one sequence of {args.length} tokens per data-parallel "
+          f"group, 4 gloo ranks, FSDP2 over all of them")
+    print(f"{'dp x cp':>8} {'tokens/rank':>11} {'peak MiB/rank':>14} {'x dp=4':>7} {'step ms':>9} {'x dp=4':>7} "
+          f"{'CPU ms (sum)':>13} {'x dp=4':>7}")
+    for (dp, cp), row in zip(CONFIGS, rows):
+        print(f"{row['config']:>8} {args.length // cp:>11} {row['peak_mib']:>14.1f} {row['peak_mib'] / base['peak_mib']:>7.2f} "
+              f"{row['wall_ms']:>9.0f} {row['wall_ms'] / base['wall_ms']:>7.2f} {row['cpu_sum_ms']:>13.0f} "
+              f"{row['cpu_sum_ms'] / base['cpu_sum_ms']:>7.2f}")
+    print(f"\nload average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; "
+          f"target: 2x2 peak <= 0.6x dp=4")
+
+
+if __name__ == "__main__":
+    main()
