@@ -10,7 +10,15 @@ import torch.nn.functional as F
 from .model import ByteLM
 from .train import Progress, no_progress
 
-__all__ = ["evaluate_lengths", "check_reachable", "scored_bytes"]
+__all__ = ["EVAL_MODES", "MIN_WINDOWS", "evaluate_lengths", "check_reachable", "scored_bytes", "check_windows",
+           "window_plan"]
+
+#: Evaluation modes of Press et al. 2022 (ALiBi), §4 and Appendix B.
+EVAL_MODES = ("nonoverlapping", "sliding")
+
+#: Fewest non-overlapping windows of held-out text an evaluation length must fill: each length's score then
+#: averages at least this many separate passages, not the reading of one or two.
+MIN_WINDOWS = 8
 
 
 def check_reachable(model: ByteLM, length: int) -> None:
@@ -57,6 +65,69 @@ def scored_bytes(val_len: int, lengths: list[int]) -> int:
     return usable
 
 
+def check_windows(usable: int, lengths: list[int], train_len: int, min_windows: int = MIN_WINDOWS) -> None:
+    """Refuse an evaluation length that the scored held-out bytes fill with fewer than ``min_windows`` windows.
+
+    Args:
+        usable: scored held-out bytes (:func:`scored_bytes`).
+        lengths: evaluation lengths in tokens.
+        train_len: training length L, to name a length as a multiple of L.
+        min_windows: fewest windows per length, an int >= 1. Default :data:`MIN_WINDOWS` (8).
+
+    Raises:
+        ValueError: naming the shortest such length, the windows it gets and the windows needed.
+    """
+    if isinstance(min_windows, bool) or not isinstance(min_windows, int) or min_windows < 1:
+        raise ValueError(f"min_windows must be an int >= 1, got {min_windows!r}")
+    for n in sorted(lengths):
+        if usable // n < min_windows:
+            raise ValueError(
+                f"evaluation length {n} ({n / train_len:g}L): the held-out text gives {usable // n} window(s) of "
+                f"{n} bytes ({usable} scored bytes), at least {min_windows} are needed; give it more held-out bytes "
+                f"(a larger corpus, --val-fraction or --max-eval-bytes) or use lengths up to {usable // min_windows} bytes"
+            )
+
+
+def window_plan(usable: int, length: int, mode: str = "nonoverlapping", stride: int | None = None) -> list[tuple[int, int]]:
+    """The windows that score target bytes 0 .. ``usable`` - 1, each exactly once (Press et al. 2022, §4).
+
+    * "nonoverlapping": windows start at 0, n, 2n, ...; each scores all its n bytes, with 0 .. n - 1 bytes of
+      context inside the window.
+    * "sliding": the first window scores all its n bytes; each next one ends ``stride`` bytes later and scores
+      only the bytes not scored yet (its last ``stride``, the last window fewer), each with at least
+      n - ``stride`` bytes of context. ``stride = n`` is the non-overlapping plan.
+
+    Window w covers input bytes ``start .. start + n - 1`` and scores its positions ``first .. n - 1``, i.e.
+    target bytes ``start + first .. start + n - 1``.
+
+    Args:
+        usable: target bytes to score, a multiple of ``length`` for "nonoverlapping", >= ``length``.
+        length: window length n in tokens.
+        mode: one of :data:`EVAL_MODES`. Default "nonoverlapping".
+        stride: S for "sliding", 1 <= S <= n; ignored otherwise.
+
+    Returns:
+        ``[(start, first), ...]`` in order.
+
+    Raises:
+        ValueError: an unknown mode; ``stride`` missing or outside [1, n] for "sliding"; ``usable`` < n.
+    """
+    if mode not in EVAL_MODES:
+        raise ValueError(f"unknown evaluation mode {mode!r}; expected one of {EVAL_MODES}")
+    if usable < length:
+        raise ValueError(f"need at least one window: {usable} bytes to score, windows of {length}")
+    if mode == "nonoverlapping":
+        return [(start, 0) for start in range(0, usable - length + 1, length)]
+    if isinstance(stride, bool) or not isinstance(stride, int) or not 1 <= stride <= length:
+        raise ValueError(f"sliding evaluation needs a stride in [1, {length}] (the window length), got {stride!r}")
+    plan, end = [(0, 0)], length
+    while end < usable:
+        new_end = min(end + stride, usable)
+        plan.append((new_end - length, length - (new_end - end)))
+        end = new_end
+    return plan
+
+
 @torch.no_grad()
 def evaluate_lengths(
     model: ByteLM,
@@ -64,14 +135,17 @@ def evaluate_lengths(
     lengths: list[int],
     *,
     batch_tokens: int = 8192,
+    mode: str = "nonoverlapping",
+    stride: int | None = None,
     progress: Progress = no_progress,
 ) -> dict[int, dict[str, float]]:
-    """Mean next-byte loss on non-overlapping windows of each length, over the same bytes for every length.
+    """Mean next-byte loss on windows of each length, over the same bytes for every length.
 
     The first ``U`` target bytes are scored, ``U`` the largest multiple of lcm(lengths) below the split's
-    size (:func:`scored_bytes`). For each length n the inputs are cut into consecutive, non-overlapping
-    windows of n bytes; every target byte is scored once, with the context before it inside its window
-    (Press et al. 2022, ALiBi, §4: non-overlapping evaluation). Because all lengths score exactly the same target bytes,
+    size (:func:`scored_bytes`). For each length n the windows of :func:`window_plan` score every target byte
+    once, with the context before it inside its window (Press et al. 2022, ALiBi, §4): consecutive non-overlapping
+    windows of n bytes (``mode="nonoverlapping"``, the default), or windows of n bytes ``stride`` apart, each
+    scoring only its new bytes (``mode="sliding"``). Because all lengths score exactly the same target bytes,
     the numbers differ only by how much context (and how far beyond the training length) the model
     sees.
 
@@ -81,28 +155,38 @@ def evaluate_lengths(
         lengths: evaluation lengths in tokens, each >= 1.
         batch_tokens: about this many tokens per forward pass (memory: the reference backend holds
             B x H x n x n float32 scores).
+        mode: "nonoverlapping" (default) or "sliding" (:data:`EVAL_MODES`).
+        stride: with "sliding", S in [1, min(lengths)] tokens; sliding costs about n / S times as much as
+            non-overlapping at length n.
         progress: progress hook, e.g. ``tqdm.tqdm``.
 
     Returns:
-        ``{n: {"nll": nats per byte, "bpb": bits per byte, "ppl": exp(nll), "tokens": scored bytes}}``.
+        ``{n: {"nll": nats per byte, "bpb": bits per byte, "ppl": exp(nll), "tokens": scored bytes,
+        "windows": forward windows}}``.
 
     Raises:
-        ValueError: an empty or invalid ``lengths``; fewer validation bytes than ``lcm(lengths) + 1``;
+        ValueError: an empty or invalid ``lengths``; fewer validation bytes than ``lcm(lengths) + 1``; an
+            unknown mode or a stride outside [1, n] (:func:`window_plan`);
             errors of the model (see :func:`check_reachable`).
     """
     usable = scored_bytes(len(val_tokens), lengths)
+    plans = {n: window_plan(usable, n, mode, stride) for n in lengths}  # every mode and stride error before work
     model.eval()
+    tokens = val_tokens[: usable + 1].long()
     results: dict[int, dict[str, float]] = {}
     for n in progress(lengths, desc="evaluate", total=len(lengths)):
-        inputs = val_tokens[:usable].long().view(-1, n)  # (W, n) windows
-        targets = val_tokens[1 : usable + 1].long().view(-1, n)
+        starts = torch.tensor([start for start, _ in plans[n]])  # (W,)
+        first = torch.tensor([f for _, f in plans[n]])  # (W,)
+        index = starts[:, None] + torch.arange(n)  # (W, n) input positions
+        scored = torch.arange(n)[None, :] >= first[:, None]  # (W, n) the positions each window scores
         per_batch = max(1, batch_tokens // n)
         total = 0.0
-        for start in range(0, inputs.shape[0], per_batch):
-            logits = model(inputs[start : start + per_batch])  # (b, n, 256)
-            total += F.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]), targets[start : start + per_batch].reshape(-1), reduction="sum"
-            ).item()
+        for b in range(0, index.shape[0], per_batch):
+            rows = index[b : b + per_batch]
+            logits = model(tokens[rows])  # (b, n, 256)
+            losses = F.cross_entropy(logits.transpose(1, 2), tokens[rows + 1], reduction="none")  # (b, n)
+            total += losses[scored[b : b + per_batch]].sum().item()
         nll = total / usable
-        results[n] = {"nll": nll, "bpb": nll / math.log(2), "ppl": math.exp(nll), "tokens": usable}
+        results[n] = {"nll": nll, "bpb": nll / math.log(2), "ppl": math.exp(nll), "tokens": usable,
+                      "windows": len(plans[n])}
     return results
