@@ -18,7 +18,7 @@ SHAKESPEARE = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "
 @pytest.fixture
 def corpus(tmp_path) -> Path:
     path = tmp_path / "corpus.txt"
-    path.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 60, "utf-8")
+    path.write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind. " * 80, "utf-8")
     return path
 
 
@@ -29,8 +29,8 @@ def test_every_registered_family_end_to_end(corpus, tmp_path, capsys):
     results = json.loads((out / "results.json").read_text())
     assert list(results["schemes"]) == list(FAMILIES)  # default: every registered family, in order
     assert results["config"]["eval_lengths"] == [8, 16, 32, 64]
-    for entry in results["schemes"].values():
-        for scores in entry["eval"].values():
+    for block in results["schemes"].values():
+        for scores in block["runs"]["0"]["eval"].values():
             assert 0.0 < scores["bpb"] < 9.0  # a barely trained byte model sits near log2(256) = 8
     assert "64 (8L)" in printed and "Perplexity per byte" in printed
     for scheme in FAMILIES:
@@ -41,17 +41,32 @@ def test_every_registered_family_end_to_end(corpus, tmp_path, capsys):
     assert "## Bits per byte" in (out / "results.md").read_text()
 
 
+def test_seeds_and_baselines_end_to_end_with_intervals(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "alibi,sinusoidal,rotary",
+                 "--num-seeds", "2", "--eval-mode", "sliding", "--stride", "4", *TINY]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert results["seeds"] == [0, 1] and results["config"]["eval_mode"] == "sliding"
+    assert results["config"]["stride"] == 4
+    for scheme in ("alibi", "sinusoidal", "rotary"):
+        assert sorted(results["schemes"][scheme]["runs"]) == ["0", "1"]
+        half = results["schemes"][scheme]["summary"]["64"]["bpb"]["half_width"]
+        assert f"{results['schemes'][scheme]['summary']['64']['bpb']['mean']:.3f} ± {half:.3f}" in printed
+    assert "95% Student-t interval" in printed and "seeds 0,1;" in printed and "sliding, stride 4" in printed
+
+
 def test_resume_keeps_finished_schemes(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none", *TINY]) == 0
-    first = json.loads((out / "results.json").read_text())["schemes"]["none"]
+    first = json.loads((out / "results.json").read_text())["schemes"]["none"]["runs"]
     capsys.readouterr()
     assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "none,t5", "--resume",
                  *TINY]) == 0
     printed = capsys.readouterr()
     assert "from results.json" in printed.out + printed.err
     results = json.loads((out / "results.json").read_text())
-    assert results["schemes"]["none"] == first and "t5" in results["schemes"]
+    assert results["schemes"]["none"]["runs"] == first and "0" in results["schemes"]["t5"]["runs"]
 
 
 @pytest.mark.parametrize(
@@ -63,7 +78,13 @@ def test_resume_keeps_finished_schemes(corpus, tmp_path, capsys):
         (["--offset-out-of-range", "error", "--schemes", "offset"],
          "'offset' cannot be evaluated at length 16 (trained at 8): offset 15 has no parameter"),
         (["--eval-lengths", "4000"], "held-out split has"),
-        (["--schemes", "rope"], "unknown scheme(s) ['rope']"),
+        (["--schemes", "rope"], "unknown scheme(s) ['rope']; registered families: ["),
+        (["--schemes", "rope"], "baselines: ['rotary', 'sinusoidal']"),
+        (["--set", "rotary.base=500", "--schemes", "rotary"], "the 'rotary' baseline takes no options"),
+        (["--seeds", "0,1,0"], "--seeds must not repeat, got 0,1,0"),
+        (["--stride", "4"], "--stride 4 applies to --eval-mode sliding, not nonoverlapping"),
+        (["--eval-mode", "sliding", "--stride", "9"], "sliding stride must be an int in [1, 8]"),
+        (["--eval-lengths", "8,16,32,64,128,256"], "evaluation length 128 (16L): the held-out text gives 4 window(s)"),
         (["--schemes", "t5,xyz"], "unknown scheme(s) ['xyz']"),
         (["--schemes", "t5,xyz", "--set", "xyz.a=1"], "unknown scheme(s) ['xyz']"),
         (["--schemes", "t5,alibi,t5"], "schemes must not repeat"),
@@ -85,6 +106,17 @@ def test_errors_are_one_clear_line(extra, message, corpus, tmp_path, capsys):
     assert printed.err.startswith("relbias extrapolate: error: ") and message in printed.err
     assert printed.out == ""  # every setting is checked before the header is printed
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seeds", "0,-1"], "argument --seeds: expected integers >= 0 (e.g. 0,1,2), got '0,-1'"),
+    (["--seed", "1", "--seeds", "0,1"], "argument --seeds: not allowed with argument --seed"),
+    (["--eval-mode", "strided"], "argument --eval-mode: invalid choice: 'strided'"),
+])
+def test_argument_errors_name_the_argument(extra, message, corpus, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["extrapolate", "--corpus", str(corpus), "--out", str(tmp_path / "out"), *TINY, *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_a_resume_with_another_config_prints_only_its_error(corpus, tmp_path, capsys):
@@ -114,7 +146,7 @@ def test_runs_on_tiny_shakespeare(tmp_path):
                  "--max-eval-bytes", "2048", *TINY]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["config"]["corpus_bytes"] == SHAKESPEARE.stat().st_size
-    assert results["schemes"]["t5"]["eval_tokens"] == 1984  # 31 x lcm(8, 16, 32, 64): 2048 bytes hold 1984 + 1
+    assert results["schemes"]["t5"]["runs"]["0"]["eval_tokens"] == 1984  # 31 x lcm(8, 16, 32, 64): 2048 bytes hold 1984 + 1
 
 
 def test_quick_runs_write_beside_the_full_results_not_over_them(corpus, tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""run_extrapolation: files after each model, resume after a partial results file, errors before training."""
+"""run_extrapolation: files after each model, seeds, resume per (scheme, seed), errors before training."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import pytest
 
 from relbias.experiments import Corpus, ExtrapolationConfig, TrainConfig, run_extrapolation
+from relbias.experiments.intervals import mean_interval
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom. " * 40).encode()
 CORPUS = Corpus("tiny", TEXT)
@@ -27,14 +28,14 @@ def test_results_are_written_per_model_and_resume_recomputes_only_missing_ones(t
     assert seen == ["none", "t5"]
     stored = json.loads((tmp_path / "results.json").read_text())
     assert stored == json.loads(json.dumps(full))
-    assert set(stored["schemes"]) == {"none", "t5"}
-    assert sorted(stored["schemes"]["t5"]["eval"]) == ["16", "32", "8"]
+    assert set(stored["schemes"]) == {"none", "t5"} and stored["seeds"] == [0]
+    assert sorted(stored["schemes"]["t5"]["runs"]["0"]["eval"]) == ["16", "32", "8"]
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| t5 |" in (tmp_path / "results.md").read_text()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temp files left behind
 
     # An interrupted run: only "none" finished.
-    del stored["schemes"]["t5"]
+    del stored["schemes"]["t5"]["runs"]["0"]
     (tmp_path / "results.json").write_text(json.dumps(stored))
     events = []
     resumed = run_extrapolation(
@@ -43,8 +44,44 @@ def test_results_are_written_per_model_and_resume_recomputes_only_missing_ones(t
     )
     assert events == [("none", True), ("t5", False)]
     # Seeded: the recomputed model gives the same numbers as the first run.
-    assert resumed["schemes"]["t5"]["eval"] == full["schemes"]["t5"]["eval"]
+    assert resumed["schemes"]["t5"]["runs"]["0"]["eval"] == full["schemes"]["t5"]["runs"]["0"]["eval"]
     assert resumed["schemes"]["none"] == full["schemes"]["none"]
+
+
+def test_seeds_change_the_numbers_and_one_seed_reproduces_them_bit_for_bit(tmp_path):
+    schemes = ["alibi", "rotary", "sinusoidal"]
+    first = run_extrapolation(_config(), schemes, CORPUS, tmp_path / "a", seeds=[0, 1])
+    again = run_extrapolation(_config(), schemes, CORPUS, tmp_path / "b", seeds=[1])
+    for scheme in schemes:
+        runs = first["schemes"][scheme]["runs"]
+        assert runs["0"]["eval"]["32"]["nll"] != runs["1"]["eval"]["32"]["nll"]  # initialisation and batches differ
+        assert again["schemes"][scheme]["runs"]["1"]["eval"] == runs["1"]["eval"]  # exactly equal floats
+        for n in ("8", "16", "32"):  # the summary is the mean and interval of the two runs
+            expected = mean_interval([runs["0"]["eval"][n]["bpb"], runs["1"]["eval"][n]["bpb"]])
+            assert first["schemes"][scheme]["summary"][n]["bpb"] == expected
+            assert expected["half_width"] > 0
+    table = (tmp_path / "a" / "results.md").read_text()
+    assert "| rotary | 2 | " in table and " ± " in table and "Student-t" in table
+
+
+def test_resume_runs_only_the_missing_scheme_and_seed_pairs(tmp_path):
+    full = run_extrapolation(_config(), ["none", "rotary"], CORPUS, tmp_path, seeds=[0, 1])
+    stored = json.loads((tmp_path / "results.json").read_text())
+    del stored["schemes"]["rotary"]["runs"]["1"]
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    events = []
+    resumed = run_extrapolation(_config(), ["none", "rotary"], CORPUS, tmp_path, seeds=[0, 1], resume=True,
+                                on_result=lambda s, e, r: events.append((s, e["seed"], e.get("resumed", False))))
+    assert events == [("none", 0, True), ("rotary", 0, True), ("none", 1, True), ("rotary", 1, False)]
+    assert resumed["schemes"]["rotary"]["runs"]["1"]["eval"] == full["schemes"]["rotary"]["runs"]["1"]["eval"]
+
+
+def test_32l_is_refused_when_the_held_out_text_gives_too_few_windows(tmp_path):
+    config = _config(eval_lengths=(8, 16, 32, 64, 128, 256), val_fraction=0.5)
+    with pytest.raises(ValueError, match=r"evaluation length 256 \(32L\): the held-out text gives 6 window\(s\) of 256 "
+                                         r"bytes \(1536 scored bytes\), at least 8 are needed"):
+        run_extrapolation(config, ["none"], CORPUS, tmp_path)
+    assert not (tmp_path / "results.json").exists()
 
 
 def test_resume_refuses_results_of_another_setup(tmp_path):

@@ -1,4 +1,5 @@
-"""``relbias extrapolate``: train tiny byte-level LMs per position scheme at length L, evaluate at 2L, 4L, 8L."""
+"""``relbias extrapolate``: train tiny byte-level LMs per position scheme (and seed) at length L, evaluate at
+L, 2L, 4L, 8L (up to 32L and beyond with --eval-lengths)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ __all__ = ["register", "run"]
 #: --quick: a smoke test of every scheme in about a minute on 2 CPU cores.
 QUICK = {"steps": 200, "batch_size": 16, "max_eval_bytes": 8192}
 DEFAULTS = {"steps": 1200, "batch_size": 32, "max_eval_bytes": None}
+#: Schemes of a run without --schemes; None: every registered bias family (the baselines only when asked for).
+DEFAULT_SCHEMES: list[str] | None = None
 
 
 def _int_list(text: str) -> list[int]:
@@ -22,6 +25,16 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not values or any(v < 1 for v in values):
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def _seed_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0 (e.g. 0,1,2), got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected integers >= 0 (e.g. 0,1,2), got {text!r}")
     return values
 
 
@@ -43,25 +56,41 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "extrapolate",
         help="train a tiny byte-level LM per position scheme at length L; evaluate at L, 2L, 4L, 8L",
-        description="Train one small byte-level decoder LM per relative-position scheme on a corpus at "
-        "training length L, then report bits per byte and perplexity on held-out text at longer lengths. "
-        "Writes results.json, results.md and results.png into --out after each model.",
+        description="Train one small byte-level decoder LM per position scheme (and per seed) on a corpus at "
+        "training length L, then report bits per byte and perplexity on held-out text at longer lengths, as the "
+        "mean across seeds with a 95%% Student-t interval. Writes results.json, results.md and results.png into "
+        "--out after each model.",
     )
     p.add_argument("--schemes", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
-                   help="comma-separated bias families (default: every registered family)")
+                   help="comma-separated bias families and baselines (sinusoidal, rotary); default: every "
+                        "registered family")
     p.add_argument("--corpus", type=Path, help="UTF-8 text file or folder (default: Python's pydoc_data.topics)")
     p.add_argument("--out", type=Path,
                    help="output folder (default runs/extrapolate, or runs/extrapolate-quick with --quick)")
-    p.add_argument("--resume", action="store_true", help="keep finished schemes of --out/results.json, run the rest")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the finished (scheme, seed) runs of --out/results.json, run the rest")
     p.add_argument("--quick", action="store_true",
                    help=f"smoke test: {QUICK['steps']} steps of {QUICK['batch_size']} windows, "
                         f"{QUICK['max_eval_bytes']} evaluation bytes")
     p.add_argument("--train-len", type=int, default=64, help="training length L in bytes (default %(default)s)")
-    p.add_argument("--eval-lengths", type=_int_list, help="comma-separated evaluation lengths (default L,2L,4L,8L)")
+    p.add_argument("--eval-lengths", type=_int_list,
+                   help="comma-separated evaluation lengths (default L,2L,4L,8L; e.g. up to 32L: 64,...,2048)")
+    p.add_argument("--eval-mode", choices=["nonoverlapping", "sliding"], default="nonoverlapping",
+                   help="windows that do not overlap, or sliding windows --stride apart scoring only their new "
+                        "bytes (Press et al. 2022, section 4; default %(default)s)")
+    p.add_argument("--stride", type=int,
+                   help="sliding stride S in bytes, 1 <= S <= the shortest evaluation length (default L); "
+                        "sliding costs about n/S times non-overlapping at length n")
+    p.add_argument("--min-windows", type=int, default=8,
+                   help="refuse an evaluation length the held-out text fills with fewer windows (default %(default)s)")
     p.add_argument("--steps", type=int, help=f"training steps (default {DEFAULTS['steps']})")
     p.add_argument("--batch-size", type=int, help=f"windows per step (default {DEFAULTS['batch_size']})")
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of initialisation and batches (default %(default)s)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, help="one seed of initialisation and batches (default 0)")
+    seeds.add_argument("--seeds", type=_seed_list,
+                       help="comma-separated seeds (e.g. 0,1,2): every scheme is trained once per seed")
+    seeds.add_argument("--num-seeds", type=int, help="seeds 0 .. N-1")
     p.add_argument("--embed-dim", type=int, default=64, help="model width (default %(default)s)")
     p.add_argument("--num-heads", type=int, default=4, help="attention heads (default %(default)s)")
     p.add_argument("--num-layers", type=int, default=2, help="decoder blocks (default %(default)s)")
@@ -109,27 +138,44 @@ def run(args: argparse.Namespace) -> int:
 
     from ..biases.registry import FAMILIES
     from ..experiments import ExtrapolationConfig, TrainConfig, load_corpus, run_extrapolation
-    from ..experiments.report import format_table
+    from ..experiments.extrapolate import known_schemes
+    from ..experiments.positional import BASELINES
+    from ..experiments.report import INTERVAL_NOTE, format_table
 
     preset = QUICK if args.quick else DEFAULTS
     steps = args.steps if args.steps is not None else preset["steps"]
     batch_size = args.batch_size if args.batch_size is not None else preset["batch_size"]
     max_eval_bytes = args.max_eval_bytes if args.max_eval_bytes is not None else preset["max_eval_bytes"]
     for name, value in (("--train-len", args.train_len), ("--steps", steps), ("--batch-size", batch_size),
-                        ("--threads", args.threads), ("--max-eval-bytes", max_eval_bytes or 1)):
+                        ("--threads", args.threads), ("--max-eval-bytes", max_eval_bytes or 1),
+                        ("--num-seeds", args.num_seeds or 1), ("--min-windows", args.min_windows)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
+    if args.seed is not None and args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.stride is not None and args.eval_mode != "sliding":
+        raise ValueError(f"--stride {args.stride} applies to --eval-mode sliding, not {args.eval_mode}")
+    if args.num_seeds is not None:
+        seed_list = list(range(args.num_seeds))
+    else:
+        seed_list = args.seeds or [0 if args.seed is None else args.seed]
+    if len(set(seed_list)) != len(seed_list):
+        raise ValueError(f"--seeds must not repeat, got {','.join(map(str, seed_list))}")
     threads = args.threads
-    schemes = args.schemes if args.schemes else list(FAMILIES)
-    unknown = [s for s in schemes if s not in FAMILIES]  # every scheme, before anything is printed or read
+    schemes = args.schemes if args.schemes else list(DEFAULT_SCHEMES or FAMILIES)
+    unknown = [s for s in schemes if s not in known_schemes()]  # every scheme, before anything is printed or read
     if unknown:
-        raise ValueError(f"unknown scheme(s) {unknown}; registered families: {sorted(FAMILIES)}")
+        raise ValueError(
+            f"unknown scheme(s) {unknown}; registered families: {sorted(FAMILIES)}, baselines: {sorted(BASELINES)}"
+        )
     repeated = sorted({s for s in schemes if schemes.count(s) > 1})
     if repeated:
         raise ValueError(f"schemes must not repeat, got {schemes} ({', '.join(repeated)} more than once)")
     eval_lengths = args.eval_lengths or [args.train_len * m for m in (1, 2, 4, 8)]
     scheme_options: dict[str, dict] = {"offset": {"out_of_range": args.offset_out_of_range}}
     for family, key, value in args.options:
+        if family in BASELINES and family not in FAMILIES:
+            raise ValueError(f"--set {family}.{key}={value}: the {family!r} baseline takes no options")
         if family not in schemes:
             known = "a registered family" if family in FAMILIES else f"not a registered family {sorted(FAMILIES)}"
             raise ValueError(
@@ -142,9 +188,10 @@ def run(args: argparse.Namespace) -> int:
         config = ExtrapolationConfig(
             train_len=args.train_len, eval_lengths=tuple(eval_lengths), embed_dim=args.embed_dim,
             num_heads=args.num_heads, num_layers=args.num_layers,
-            train=TrainConfig(steps=steps, batch_size=batch_size, lr=args.lr, seed=args.seed),
+            train=TrainConfig(steps=steps, batch_size=batch_size, lr=args.lr, seed=seed_list[0]),
             val_fraction=args.val_fraction, max_eval_bytes=max_eval_bytes, scheme_options=scheme_options,
-            convention=args.convention, backend=args.backend,
+            convention=args.convention, backend=args.backend, eval_mode=args.eval_mode, stride=args.stride,
+            min_windows=args.min_windows,
         )
     except TypeError as exc:  # pragma: no cover - argparse types guard this
         raise ValueError(str(exc)) from exc
@@ -152,8 +199,9 @@ def run(args: argparse.Namespace) -> int:
     hook, write = _progress_hook(args.no_progress)
     header = (
         f"relbias extrapolate: corpus {corpus.name} ({len(corpus)} bytes), schemes {', '.join(schemes)}; "
-        f"L = {args.train_len}, evaluated at {', '.join(map(str, eval_lengths))}; {steps} steps x {batch_size} "
-        f"windows; {threads} torch thread(s); output {args.out}"
+        f"seeds {','.join(map(str, seed_list))}; L = {args.train_len}, evaluated at {', '.join(map(str, eval_lengths))} "
+        f"({config.eval_mode}{f', stride {config.eval_stride()}' if config.eval_stride() else ''}); {steps} steps x "
+        f"{batch_size} windows; {threads} torch thread(s); output {args.out}"
     )
     announced = False
 
@@ -175,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         cells = ", ".join(f"{n}: {entry['eval'][str(n)]['bpb']:.3f}" for n in eval_lengths)
         how = "from results.json" if entry.get("resumed") else (
             f"train {entry['train_seconds']:.0f} s, eval {entry['eval_seconds']:.0f} s")
-        write(f"{scheme:>8}  bits per byte {cells}  ({how})")
+        write(f"{scheme:>12} seed {entry['seed']}  bits per byte {cells}  ({how})")
         sys.stdout.flush()
 
     start = time.perf_counter()
@@ -183,7 +231,8 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         results = run_extrapolation(
-            config, schemes, corpus, args.out, resume=args.resume, progress=progress, on_result=report
+            config, schemes, corpus, args.out, seeds=seed_list, resume=args.resume, progress=progress,
+            on_result=report,
         )
     except ImportError as exc:
         raise RuntimeError(str(exc)) from exc
@@ -195,11 +244,12 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads_before)
     elapsed = time.perf_counter() - start
     bpb, ppl = format_table(results, metric="bpb"), format_table(results, metric="ppl")
-    print(f"\nBits per byte on {results['schemes'][schemes[0]]['eval_tokens']} held-out bytes (lower is better); "
-          f"trained at L = {args.train_len}:")
+    tokens = next(iter(results["schemes"][schemes[0]]["runs"].values()))["eval_tokens"]
+    print(f"\nBits per byte on {tokens} held-out bytes (lower is better); trained at L = {args.train_len}; "
+          f"{INTERVAL_NOTE}:")
     _print_table(bpb)
     print("\nPerplexity per byte:")
     _print_table(ppl)
-    print(f"\n{len(schemes)} schemes in {elapsed:.0f} s. Wrote {args.out / 'results.json'}, "
+    print(f"\n{len(schemes)} schemes x {len(seed_list)} seed(s) in {elapsed:.0f} s. Wrote {args.out / 'results.json'}, "
           f"{args.out / 'results.md'}, {args.out / 'results.png'}")
     return 0

@@ -5,9 +5,11 @@ The library never prints; progress goes through a ``progress`` hook (``tqdm.tqdm
 """
 
 from .data import Corpus, load_corpus, sample_batch, split_corpus
-from .evaluate import check_reachable, evaluate_lengths, scored_bytes
+from .evaluate import check_reachable, check_windows, evaluate_lengths, scored_bytes, window_plan
 from .model import VOCAB_SIZE, ByteLM, ByteLMConfig
-from .extrapolate import ExtrapolationConfig, default_scheme_options, run_extrapolation
+from .positional import RotaryByteLM, SinusoidalByteLM
+from .intervals import mean_interval, t_quantile
+from .extrapolate import ExtrapolationConfig, default_scheme_options, known_schemes, run_extrapolation
 from .train import TrainConfig, train_model
 
 __all__ = [
@@ -16,14 +18,21 @@ __all__ = [
     "ByteLMConfig",
     "Corpus",
     "ExtrapolationConfig",
+    "RotaryByteLM",
+    "SinusoidalByteLM",
     "TrainConfig",
     "check_reachable",
+    "check_windows",
     "default_scheme_options",
     "evaluate_lengths",
+    "known_schemes",
     "load_corpus",
+    "mean_interval",
     "run_extrapolation",
     "sample_batch",
     "scored_bytes",
     "split_corpus",
+    "t_quantile",
     "train_model",
+    "window_plan",
 ]

@@ -4,7 +4,7 @@ evaluated at longer lengths (Press et al. 2022, ALiBi, "Train short, test long",
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -14,13 +14,21 @@ from ..biases.registry import FAMILIES
 from ..buckets import validate_t5_buckets
 from .model import ByteLM, ByteLMConfig
 from .data import Corpus, split_corpus
-from .evaluate import check_reachable, evaluate_lengths, scored_bytes
-from .report import load_results, require_matplotlib, save_results
+from .evaluate import EVAL_MODES, MIN_WINDOWS, check_reachable, check_windows, evaluate_lengths, scored_bytes
+from .positional import BASELINES, make_baseline
+from .report import load_results, require_matplotlib, save_results, summarize
 from .train import Progress, TrainConfig, no_progress, train_model
 
-__all__ = ["ExtrapolationConfig", "default_scheme_options", "run_extrapolation"]
+__all__ = ["ExtrapolationConfig", "default_scheme_options", "known_schemes", "build_model", "run_extrapolation"]
 
-RESULTS_VERSION = 1
+#: 2: runs per (scheme, seed) under ``schemes[s]["runs"]``, with a summary across seeds.
+RESULTS_VERSION = 2
+
+
+def known_schemes() -> list[str]:
+    """Every scheme the experiment runs: the registered bias families (now), then the baselines of
+    :mod:`relbias.experiments.positional` ("sinusoidal", "rotary")."""
+    return [*FAMILIES, *(b for b in BASELINES if b not in FAMILIES)]
 
 
 def default_scheme_options(train_len: int, num_buckets: int = 32) -> dict[str, dict]:
@@ -56,6 +64,12 @@ class ExtrapolationConfig:
         train: a :class:`TrainConfig`.
         val_fraction: share of the corpus held out for evaluation, from its end. Default 0.1.
         max_eval_bytes: evaluate on at most this many held-out bytes (None: all). Default None.
+        eval_mode: "nonoverlapping" (default) or "sliding" windows (Press et al. 2022, §4;
+            :func:`~relbias.experiments.evaluate.window_plan`).
+        stride: with "sliding", the stride S in tokens, 1 <= S <= every evaluation length; None (default)
+            means ``train_len``. Ignored (recorded as None) for "nonoverlapping".
+        min_windows: fewest non-overlapping windows the scored held-out bytes must give at every evaluation
+            length (:func:`~relbias.experiments.evaluate.check_windows`). Default 8.
         scheme_options: family name -> options for its factory; merged over
             :func:`default_scheme_options` (an entry replaces that family's defaults key by key).
         convention: score convention for every scheme; None uses each family's own.
@@ -73,18 +87,30 @@ class ExtrapolationConfig:
     scheme_options: dict = field(default_factory=dict)
     convention: str | None = None
     backend: str = "auto"
+    eval_mode: str = "nonoverlapping"
+    stride: int | None = None
+    min_windows: int = MIN_WINDOWS
+
+    def eval_stride(self) -> int | None:
+        """The sliding stride in effect: ``stride`` or ``train_len``; None for non-overlapping evaluation."""
+        if self.eval_mode != "sliding":
+            return None
+        return self.train_len if self.stride is None else self.stride
 
     def options_for(self, scheme: str) -> dict:
-        """Factory options of ``scheme``: the defaults, updated with ``scheme_options[scheme]``."""
+        """Factory options of ``scheme``: the defaults, updated with ``scheme_options[scheme]`` (none for a
+        baseline)."""
+        if scheme in BASELINES and scheme not in FAMILIES:
+            return {}
         chosen = self.scheme_options.get(scheme, {})
         options = dict(default_scheme_options(self.train_len, chosen.get("num_buckets", 32)).get(scheme, {}))
         options.update(chosen)
         return options
 
     def model_config(self, scheme: str) -> ByteLMConfig:
-        """The :class:`ByteLMConfig` of one scheme."""
+        """The :class:`ByteLMConfig` of one scheme (``position="none"`` for a baseline)."""
         return ByteLMConfig(
-            position=scheme, position_options=self.options_for(scheme), max_len=self.train_len,
+            position="none" if scheme in BASELINES and scheme not in FAMILIES else scheme, position_options=self.options_for(scheme), max_len=self.train_len,
             embed_dim=self.embed_dim, num_heads=self.num_heads, num_layers=self.num_layers,
             convention=self.convention, backend=self.backend,
         )
@@ -94,17 +120,51 @@ class ExtrapolationConfig:
         record = asdict(self)
         record.pop("train")
         record.update(asdict(self.train))
+        record.pop("seed")  # the seeds are the run's set, like the schemes: results["seeds"]
+        record["stride"] = self.eval_stride()
         record["eval_lengths"] = list(self.eval_lengths)
         record["corpus"], record["corpus_bytes"], record["corpus_sha256"] = corpus.name, len(corpus), corpus.sha256
         return record
 
 
+def build_model(config: ExtrapolationConfig, scheme: str) -> ByteLM:
+    """The untrained model of ``scheme`` (a bias family or a baseline) with ``config``'s sizes.
+
+    Raises:
+        ValueError: an option the family does not take, or another error of the model, naming the scheme.
+    """
+    try:
+        if scheme in BASELINES and scheme not in FAMILIES:
+            return make_baseline(scheme, config.model_config(scheme))
+        return ByteLM(config.model_config(scheme))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"scheme {scheme!r} with options {config.options_for(scheme)}: {exc}") from exc
+
+
+def _check_seeds(seeds: list[int]) -> None:
+    if not seeds or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in seeds):
+        raise ValueError(f"seeds must be a non-empty list of ints >= 0, got {seeds!r}")
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds must not repeat, got {seeds}")
+
+
 def _check(config: ExtrapolationConfig, schemes: list[str], corpus: Corpus, train: torch.Tensor) -> list[ByteLM]:
-    unknown = [s for s in schemes if s not in FAMILIES]
+    unknown = [s for s in schemes if s not in known_schemes()]
     if unknown:
-        raise ValueError(f"unknown scheme(s) {unknown}; registered families: {sorted(FAMILIES)}")
+        raise ValueError(
+            f"unknown scheme(s) {unknown}; registered families: {sorted(FAMILIES)}, baselines: {sorted(BASELINES)}"
+        )
     if len(set(schemes)) != len(schemes):
         raise ValueError(f"schemes must not repeat, got {schemes}")
+    if config.eval_mode not in EVAL_MODES:
+        raise ValueError(f"unknown evaluation mode {config.eval_mode!r}; expected one of {EVAL_MODES}")
+    stride = config.eval_stride()
+    if stride is not None and (isinstance(stride, bool) or not isinstance(stride, int)
+                               or not 1 <= stride <= min(config.eval_lengths)):
+        raise ValueError(
+            f"sliding stride must be an int in [1, {min(config.eval_lengths)}] (the shortest evaluation length), "
+            f"got {stride!r}"
+        )
     if config.train_len >= len(train):
         raise ValueError(
             f"training length {config.train_len} is longer than the training split of corpus {corpus.name} "
@@ -112,10 +172,7 @@ def _check(config: ExtrapolationConfig, schemes: list[str], corpus: Corpus, trai
         )
     models = []
     for scheme in schemes:
-        try:
-            model = ByteLM(config.model_config(scheme))
-        except (TypeError, ValueError) as exc:  # e.g. an option the family does not take
-            raise ValueError(f"scheme {scheme!r} with options {config.options_for(scheme)}: {exc}") from exc
+        model = build_model(config, scheme)
         for length in sorted(set(config.eval_lengths)):  # name the shortest length out of reach
             check_reachable(model, length)
         models.append(model)
@@ -128,85 +185,114 @@ def run_extrapolation(
     corpus: Corpus,
     out_dir: str | Path,
     *,
+    seeds: list[int] | None = None,
     resume: bool = False,
     progress: Progress = no_progress,
     on_result: Callable[[str, dict, dict], None] | None = None,
 ) -> dict:
-    """Train and evaluate one model per scheme; write results after each one.
+    """Train and evaluate one model per scheme and seed; write results after each one.
 
-    Every model starts from ``torch.manual_seed(config.train.seed)`` and sees the same training
-    windows, so the schemes differ only in their position bias. After each model, results.json,
-    results.md and results.png in ``out_dir`` are replaced atomically (see :mod:`.report`), so an
-    interrupted run keeps every finished model.
+    The run of seed s starts from ``torch.manual_seed(s)`` (initialisation) and draws its training windows
+    from a generator seeded with s (batch order), so under one seed the schemes differ only in their position
+    scheme, and across seeds in initialisation and batches. Seeds run in the outer loop: after the first seed,
+    every scheme has a number. After each model, results.json, results.md and results.png in ``out_dir`` are
+    replaced atomically (see :mod:`.report`), so an interrupted run keeps every finished model.
 
     Args:
-        config: the :class:`ExtrapolationConfig`.
-        schemes: family names, in run order.
+        config: the :class:`ExtrapolationConfig`; its ``train.seed`` is the default seed list.
+        schemes: bias families and baselines (:func:`known_schemes`), in run order.
         corpus: the :class:`~relbias.experiments.data.Corpus`.
         out_dir: output folder (created if missing).
-        resume: keep the finished schemes of an existing results.json with the same config and run
-            only the others; without it, existing results are replaced.
+        seeds: ints >= 0, distinct; default ``[config.train.seed]``.
+        resume: keep the finished (scheme, seed) runs of an existing results.json with the same config and
+            run only the others; without it, existing results are replaced.
         progress: progress hook, e.g. ``tqdm.tqdm``.
-        on_result: called as ``on_result(scheme, entry, results)`` after each model (and for each
-            scheme taken from a resumed file, with ``entry["resumed"] = True``).
+        on_result: called as ``on_result(scheme, entry, results)`` after each model (and for each run taken
+            from a resumed file, with ``entry["resumed"] = True``); ``entry["seed"]`` is its seed.
 
     Returns:
-        The results dict as written to results.json: ``{"version", "config", "order", "schemes":
-        {scheme: {"eval": {str(n): {"nll", "bpb", "ppl", "tokens"}}, "eval_tokens", "parameters",
-        "train_seconds", "eval_seconds", "final_train_loss", "position_options"}}}``.
+        The results dict as written to results.json: ``{"version": 2, "config", "order", "seeds", "schemes":
+        {scheme: {"runs": {str(seed): {"seed", "eval": {str(n): {"nll", "bpb", "ppl", "tokens", "windows"}},
+        "eval_tokens", "parameters", "train_seconds", "eval_seconds", "final_train_loss", "position_options"}},
+        "summary": {str(n): {metric: mean_interval}}}}}`` (:func:`~relbias.experiments.report.summarize`).
 
     Raises:
-        ValueError: an unknown or repeated scheme; a training length not shorter than the training
-            split; too little held-out text for the evaluation lengths; an evaluation length a scheme
-            cannot reach (e.g. per-offset with ``out_of_range="error"``); a resumed file made with a
+        ValueError: an unknown or repeated scheme or seed; a training length not shorter than the training
+            split; too little held-out text for the evaluation lengths, or fewer than ``config.min_windows``
+            windows at one of them; an evaluation length a scheme cannot reach (e.g. per-offset with
+            ``out_of_range="error"``); an unknown evaluation mode or a bad stride; a resumed file made with a
             different config. All are raised before any training.
         ImportError: matplotlib is missing.
     """
     require_matplotlib()
+    seeds = [config.train.seed] if seeds is None else list(seeds)
+    _check_seeds(seeds)
     train_tokens, val_tokens = split_corpus(corpus, config.val_fraction)
     if config.max_eval_bytes is not None:
         val_tokens = val_tokens[: config.max_eval_bytes]
     _check(config, schemes, corpus, train_tokens)
-    scored_bytes(len(val_tokens), list(config.eval_lengths))  # too little held-out text: fail before training
+    usable = scored_bytes(len(val_tokens), list(config.eval_lengths))  # too little held-out text: before training
+    check_windows(usable, list(config.eval_lengths), config.train_len, config.min_windows)
     record = config.record(corpus)
-    results = {"version": RESULTS_VERSION, "config": record, "order": list(schemes), "schemes": {}}
+    results = {"version": RESULTS_VERSION, "config": record, "order": list(schemes), "seeds": list(seeds),
+               "schemes": {s: {"runs": {}} for s in schemes}}
     if resume:
         previous = load_results(out_dir)
         if previous is not None:
+            if previous.get("version") != RESULTS_VERSION:
+                raise ValueError(
+                    f"cannot resume: {Path(out_dir) / 'results.json'} has results version "
+                    f"{previous.get('version')!r}, this code writes {RESULTS_VERSION}; use another --out"
+                )
             _check_same_config(previous["config"], record, Path(out_dir))
-            results["schemes"] = {s: e for s, e in previous["schemes"].items() if s in schemes}
-            results["order"] = list(schemes)
-    for scheme in schemes:
-        if scheme in results["schemes"]:
+            for scheme in schemes:
+                runs = previous["schemes"].get(scheme, {}).get("runs", {})
+                results["schemes"][scheme]["runs"] = {k: e for k, e in runs.items() if int(k) in seeds}
+    lengths = list(config.eval_lengths)
+    for seed in seeds:
+        for scheme in schemes:
+            runs = results["schemes"][scheme]["runs"]
+            if str(seed) in runs:
+                if on_result is not None:
+                    on_result(scheme, {**runs[str(seed)], "resumed": True}, results)
+                continue
+            torch.manual_seed(seed)
+            model = build_model(config, scheme)
+            start = time.perf_counter()
+            losses = train_model(model, train_tokens, replace(config.train, seed=seed),
+                                 progress=_labelled(progress, scheme, seed))
+            trained = time.perf_counter()
+            scores = evaluate_lengths(model, val_tokens, lengths, mode=config.eval_mode, stride=config.eval_stride(),
+                                      progress=_labelled(progress, scheme, seed))
+            entry = {
+                "seed": seed,
+                "eval": {str(n): v for n, v in scores.items()},
+                "eval_tokens": next(iter(scores.values()))["tokens"],
+                "parameters": sum(p.numel() for p in model.parameters()),
+                "train_seconds": trained - start,
+                "eval_seconds": time.perf_counter() - trained,
+                "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
+                "position_options": config.options_for(scheme),
+            }
+            runs[str(seed)] = entry
+            _summarize_all(results)
+            save_results(out_dir, results)
             if on_result is not None:
-                on_result(scheme, {**results["schemes"][scheme], "resumed": True}, results)
-            continue
-        torch.manual_seed(config.train.seed)
-        model = ByteLM(config.model_config(scheme))
-        start = time.perf_counter()
-        losses = train_model(model, train_tokens, config.train, progress=_labelled(progress, scheme))
-        trained = time.perf_counter()
-        scores = evaluate_lengths(model, val_tokens, list(config.eval_lengths), progress=_labelled(progress, scheme))
-        entry = {
-            "eval": {str(n): v for n, v in scores.items()},
-            "eval_tokens": next(iter(scores.values()))["tokens"],
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "train_seconds": trained - start,
-            "eval_seconds": time.perf_counter() - trained,
-            "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
-            "position_options": config.options_for(scheme),
-        }
-        results["schemes"][scheme] = entry
-        save_results(out_dir, results)
-        if on_result is not None:
-            on_result(scheme, entry, results)
+                on_result(scheme, entry, results)
+    _summarize_all(results)
     save_results(out_dir, results)
     return results
 
 
-def _labelled(progress: Progress, scheme: str) -> Progress:
+def _summarize_all(results: dict) -> None:
+    for scheme, block in results["schemes"].items():
+        runs = [block["runs"][str(s)] for s in results["seeds"] if str(s) in block["runs"]]
+        block["summary"] = summarize(runs, results["config"]["eval_lengths"]) if runs else {}
+
+
+def _labelled(progress: Progress, scheme: str, seed: int) -> Progress:
     def hook(iterable, *, desc: str = "", **kwargs):
-        return progress(iterable, desc=f"{scheme:>8} {desc}", **kwargs)
+        return progress(iterable, desc=f"{scheme:>12} seed {seed} {desc}", **kwargs)
 
     return hook
 

@@ -8,8 +8,16 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomic", "load_results", "format_table", "markdown_report", "plot_results", "save_results",
-           "require_matplotlib"]
+from .intervals import mean_interval
+
+__all__ = ["write_atomic", "load_results", "summarize", "format_table", "markdown_report", "plot_results",
+           "save_results", "require_matplotlib", "INTERVAL_NOTE"]
+
+#: How the tables' intervals are computed, printed under them.
+INTERVAL_NOTE = (
+    "mean over seeds ± the half-width of a 95% Student-t interval on that mean (t quantile with n - 1 degrees "
+    "of freedom x sample standard deviation / sqrt(n)); with one seed there is no interval"
+)
 
 RESULTS_JSON, RESULTS_MD, RESULTS_PNG = "results.json", "results.md", "results.png"
 
@@ -57,6 +65,22 @@ def _lengths(results: dict) -> list[int]:
     return list(results["config"]["eval_lengths"])
 
 
+def summarize(runs: list[dict], lengths: list[int]) -> dict:
+    """Mean and 95% Student-t interval across runs (seeds) per evaluation length and metric.
+
+    Args:
+        runs: run entries (``entry["eval"][str(n)][metric]``), one per seed, at least one.
+        lengths: evaluation lengths in tokens.
+
+    Returns:
+        ``{str(n): {"nll" | "bpb" | "ppl": mean_interval(...)}}`` (:func:`~relbias.experiments.intervals.mean_interval`).
+    """
+    return {
+        str(n): {m: mean_interval([r["eval"][str(n)][m] for r in runs]) for m in ("nll", "bpb", "ppl")}
+        for n in lengths
+    }
+
+
 def _header(results: dict) -> list[str]:
     train_len = results["config"]["train_len"]
     cells = []
@@ -67,20 +91,37 @@ def _header(results: dict) -> list[str]:
     return cells
 
 
+def _finished(results: dict) -> list[tuple[str, dict]]:
+    """(scheme, block) in run order, for schemes with at least one finished run."""
+    out = []
+    for name in results.get("order", sorted(results["schemes"])):
+        block = results["schemes"].get(name)
+        if block is not None and block.get("runs"):
+            out.append((name, block))
+    return out
+
+
+def _cell(stat: dict, digits: int) -> str:
+    if stat["half_width"] is None:
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['half_width']:.{digits}f}"
+
+
 def format_table(results: dict, *, metric: str = "bpb") -> list[list[str]]:
-    """Rows of strings: a header, then one row per finished scheme (in run order).
+    """Rows of strings: a header, then one row per scheme with a finished run (in run order).
+
+    Each cell is the mean across the scheme's finished seeds ± the half-width of its 95% Student-t interval
+    (:data:`INTERVAL_NOTE`); the mean alone with one seed. The "seeds" column counts the runs averaged.
 
     Args:
-        results: as in results.json.
+        results: as in results.json (version 2).
         metric: "bpb" (bits per byte, 3 decimals) or "ppl" (perplexity per byte, 2 decimals).
     """
-    rows = [["scheme", *_header(results)]]
-    for name in results.get("order", sorted(results["schemes"])):
-        entry = results["schemes"].get(name)
-        if entry is None:
-            continue
-        digits = 3 if metric == "bpb" else 2
-        rows.append([name, *(f"{entry['eval'][str(n)][metric]:.{digits}f}" for n in _lengths(results))])
+    digits = 3 if metric == "bpb" else 2
+    rows = [["scheme", "seeds", *_header(results)]]
+    for name, block in _finished(results):
+        summary = block["summary"]
+        rows.append([name, str(len(block["runs"])), *(_cell(summary[str(n)][metric], digits) for n in _lengths(results))])
     return rows
 
 
@@ -90,17 +131,25 @@ def _markdown(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def _evaluation(c: dict) -> str:
+    if c.get("eval_mode", "nonoverlapping") == "sliding":
+        return f"sliding windows of each length, stride {c['stride']} (each byte scored once)"
+    return "non-overlapping windows of each length"
+
+
 def markdown_report(results: dict) -> str:
-    """results.md: the setup in one paragraph, bits per byte and perplexity tables, timings."""
+    """results.md: the setup in one paragraph, bits per byte and perplexity tables with intervals, timings."""
     c = results["config"]
+    finished = _finished(results)
+    tokens = next(iter(finished[0][1]["runs"].values()))["eval_tokens"] if finished else 0
     lines = [
         "# relbias extrapolate",
         "",
         f"Byte-level decoder LMs ({c['num_layers']} layers, width {c['embed_dim']}, {c['num_heads']} heads) trained "
         f"for {c['steps']} steps of {c['batch_size']} windows at length L = {c['train_len']} bytes on "
-        f"`{c['corpus']}` ({c['corpus_bytes']} bytes, last {c['val_fraction']:g} held out), seed {c['seed']}. "
-        f"Evaluated on the same {next(iter(results['schemes'].values()))['eval_tokens'] if results['schemes'] else 0} "
-        f"held-out bytes in non-overlapping windows of each length.",
+        f"`{c['corpus']}` ({c['corpus_bytes']} bytes, last {c['val_fraction']:g} held out), seeds "
+        f"{', '.join(map(str, results.get('seeds', [])))}. Evaluated on the same {tokens} held-out bytes in "
+        f"{_evaluation(c)}. Cells: {INTERVAL_NOTE}.",
         "",
         "## Bits per byte (lower is better)",
         "",
@@ -110,17 +159,16 @@ def markdown_report(results: dict) -> str:
         "",
         _markdown(format_table(results, metric="ppl")),
         "",
-        "## Timings",
+        "## Runs",
         "",
-        "| scheme | options | parameters | train s | eval s | final train loss (nats) |",
-        "|---|---|---|---|---|---|",
+        "| scheme | seed | options | parameters | train s | eval s | final train loss (nats) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name in results.get("order", sorted(results["schemes"])):
-        e = results["schemes"].get(name)
-        if e is not None:
+    for name, block in finished:
+        for seed, e in block["runs"].items():
             lines.append(
-                f"| {name} | {_options(e.get('position_options', {}))} | {e['parameters']} | {e['train_seconds']:.1f} | {e['eval_seconds']:.1f} | "
-                f"{e['final_train_loss']:.3f} |"
+                f"| {name} | {seed} | {_options(e.get('position_options', {}))} | {e['parameters']} | "
+                f"{e['train_seconds']:.1f} | {e['eval_seconds']:.1f} | {e['final_train_loss']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -142,7 +190,8 @@ def require_matplotlib() -> None:
 
 
 def plot_results(results: dict) -> bytes:
-    """PNG bytes: bits per byte vs evaluation length (log 2 axis), one line per scheme, L marked.
+    """PNG bytes: bits per byte vs evaluation length (log 2 axis), one line per scheme (the mean across seeds)
+    with its 95% interval as a shaded band (none with one seed), L marked.
 
     Raises:
         ImportError: matplotlib is missing.
@@ -156,16 +205,20 @@ def plot_results(results: dict) -> bytes:
     lengths = _lengths(results)
     fig = Figure(figsize=(7.6, 4.2), dpi=100)
     ax = fig.add_subplot()
-    for name in results.get("order", sorted(results["schemes"])):
-        entry = results["schemes"].get(name)
-        if entry is not None:
-            ax.plot(lengths, [entry["eval"][str(n)]["bpb"] for n in lengths], marker="o", label=name)
+    for name, block in _finished(results):
+        stats = [block["summary"][str(n)]["bpb"] for n in lengths]
+        (line,) = ax.plot(lengths, [s["mean"] for s in stats], marker="o", markersize=3, label=name)
+        if stats[0]["half_width"] is not None:
+            ax.fill_between(lengths, [s["low"] for s in stats], [s["high"] for s in stats], color=line.get_color(),
+                            alpha=0.2, linewidth=0)
     ax.axvline(results["config"]["train_len"], color="grey", linestyle="--", linewidth=1, label="training length")
     ax.set_xscale("log", base=2)
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.set_xlabel("evaluation length (bytes)")
     ax.set_ylabel("bits per byte (lower is better)")
-    ax.set_title(f"Length extrapolation on {Path(results['config']['corpus']).name}")
+    seeds = len(results.get("seeds", [])) or 1
+    band = f", 95% interval over {seeds} seeds" if seeds > 1 else ", 1 seed"
+    ax.set_title(f"Length extrapolation on {Path(results['config']['corpus']).name}{band}", fontsize="medium")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the lines
     fig.tight_layout()
