@@ -82,6 +82,7 @@ def test_resume_keeps_finished_schemes(corpus, tmp_path, capsys):
         (["--schemes", "rope"], "baselines: ['rotary', 'sinusoidal']"),
         (["--set", "rotary.base=500", "--schemes", "rotary"], "the 'rotary' baseline takes no options"),
         (["--seeds", "0,1,0"], "--seeds must not repeat, got 0,1,0"),
+        (["--num-seeds", "0"], "--num-seeds must be >= 1, got 0"),
         (["--stride", "4"], "--stride 4 applies to --eval-mode sliding, not nonoverlapping"),
         (["--eval-mode", "sliding", "--stride", "9"], "sliding stride must be an int in [1, 8]"),
         (["--eval-lengths", "8,16,32,64,128,256"], "evaluation length 128 (16L): the held-out text gives 4 window(s)"),

@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     max_eval_bytes = args.max_eval_bytes if args.max_eval_bytes is not None else preset["max_eval_bytes"]
     for name, value in (("--train-len", args.train_len), ("--steps", steps), ("--batch-size", batch_size),
                         ("--threads", args.threads), ("--max-eval-bytes", max_eval_bytes or 1),
-                        ("--num-seeds", args.num_seeds or 1), ("--min-windows", args.min_windows)):
+                        ("--num-seeds", 1 if args.num_seeds is None else args.num_seeds), ("--min-windows", args.min_windows)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if args.seed is not None and args.seed < 0:
