@@ -97,7 +97,10 @@ def explain_backend(
         'toeplitz'
         >>> padding = torch.ones(1, 1, 1, 4096, dtype=torch.bool)  # a key padding mask
         >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=padding)[0]
-        'structured'
+        'toeplitz'
+        >>> additive = torch.zeros(1, 1, 1, 4096)  # an additive float mask (0 = keep, -inf = padded)
+        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=additive)[0]
+        'blockwise'
         >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), dropout_p=0.1)[0]  # training with dropout
         'blockwise'
     """

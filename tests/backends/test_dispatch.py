@@ -30,10 +30,15 @@ def test_auto_picks_toeplitz_for_a_long_t5_block_on_cpu_and_structured_without_t
         assert relbias.explain_backend(*_qkv(), bias=relbias.T5Bias(8), is_causal=False)[0] == "toeplitz"
 
 
-def test_auto_takes_structured_for_a_key_padding_mask():
+def test_auto_takes_toeplitz_for_a_key_padding_mask_and_structured_without_the_native_backward(monkeypatch):
     mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
     mask[1, ..., 4000:] = False
-    name, reason = relbias.explain_backend(*[x.expand(2, -1, -1, -1) for x in _qkv()], bias=relbias.T5Bias(8), mask=mask)
+    qkv = [x.expand(2, -1, -1, -1) for x in _qkv(requires_grad=True)]
+    name, reason = relbias.explain_backend(*qkv, bias=relbias.T5Bias(8), mask=mask)
+    native = _toeplitz_native.native_unavailable_reason() is None
+    assert name == ("toeplitz" if native else "structured")
+    monkeypatch.setenv("RELBIAS_NATIVE", "0")
+    name, reason = relbias.explain_backend(*qkv, bias=relbias.T5Bias(8), mask=mask)
     assert name == "structured" and "far-constant" in reason
 
 
@@ -54,11 +59,13 @@ def test_auto_routes_an_offset_only_bias_without_far_constant_to_toeplitz(family
     assert name == "toeplitz" and "read from its per-offset values" in reason
 
 
-def test_auto_routes_an_offset_only_bias_with_a_mask_to_blockwise():
+@pytest.mark.parametrize("family", ["alibi", "kerple_log", "kerple_power", "offset", "t5"])
+def test_auto_routes_an_offset_only_bias_with_a_key_padding_mask_to_toeplitz(family):
     mask = torch.ones(1, 1, 1, 4096, dtype=torch.bool)
-    bias = make_bias("alibi", num_heads=8, max_len=64, bidirectional=False)
+    mask[..., 3000:] = False
+    bias = make_bias(family, num_heads=8, max_len=4096, bidirectional=False)
     name, reason = relbias.explain_backend(*_qkv(), bias=bias, is_causal=True, mask=mask)
-    assert name == "blockwise" and "not constant beyond a distance" in reason and "a mask is given" in reason
+    assert name == "toeplitz" and "read from its per-offset values" in reason
 
 
 @pytest.mark.skipif("fire" not in FAMILIES, reason="FIRE is not registered")
@@ -69,7 +76,7 @@ def test_auto_routes_a_family_reading_absolute_positions_to_blockwise():
 
 
 def test_auto_materialises_small_blocks_and_tensor_biases():
-    mask = torch.ones(1, 1, 1, 64, dtype=torch.bool)  # toeplitz (no small-block rule) takes no mask
+    mask = torch.ones(1, 1, 64, 64, dtype=torch.bool)  # a query dimension: toeplitz (no small-block rule) refuses it
     assert relbias.explain_backend(*_qkv(64), bias=relbias.T5Bias(8), mask=mask)[0] == "reference"
     assert relbias.explain_backend(*_qkv(64), bias=relbias.T5Bias(8))[0] == "toeplitz"
     name, reason = relbias.explain_backend(*_qkv(), bias=torch.zeros(1, 1, 1, 1).expand(1, 1, 4096, 4096))

@@ -212,17 +212,15 @@ def test_auto_matches_reference_on_a_block_large_enough_to_tile(monkeypatch):
     bias = build_bias("t5", num_heads=2, bidirectional=True)
     q, k, v = (torch.randn(1, 2, 1100, 16) for _ in range(3))
     padding = torch.ones(1, 1, 1, 1100, dtype=torch.bool)
-    padding[..., 1000:] = False  # a mask: toeplitz cannot take it, the tiled backends can
-    # 1 x 2 x 1100 x 1100 = 2.4M scores: still "reference" under the default threshold, so lower it.
-    name, _ = explain_backend(q, k, v, bias=bias, mask=padding)
-    assert name == "reference"
+    padding[..., 1000:] = False  # a key padding mask: toeplitz takes it at every size (no small-block rule)
+    assert explain_backend(q, k, v, bias=bias, mask=padding)[0] == "toeplitz"
+    # 1 x 2 x 1100 x 1100 = 2.4M scores: structured would step aside for the reference under the default threshold
     monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 1000)
-    assert explain_backend(q, k, v, bias=bias, mask=padding)[0] == "structured"
-    with torch.no_grad():
-        got = relbias.attention(q, k, v, bias=bias, mask=padding)
     with torch.no_grad():
         want = relbias.attention(q, k, v, bias=bias, mask=padding, backend="reference")
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
+        for backend in ("auto", "structured"):
+            got = relbias.attention(q, k, v, bias=bias, mask=padding, backend=backend)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5)
 
 
 def test_auto_takes_toeplitz_for_an_unmasked_offset_only_bias_at_any_size():

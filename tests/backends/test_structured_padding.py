@@ -75,10 +75,10 @@ def test_nan_and_inf_in_padded_keys_are_refused_by_structured_and_confined_by_wh
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_auto_takes_structured_for_the_hugging_face_padding_mask():
+def test_auto_takes_toeplitz_for_the_hugging_face_padding_mask():
     q = torch.zeros(2, 8, 4096, 64)  # finite values: dispatch checks keys and values for NaN/inf
     mask = torch.ones(2, 1, 1, 4096, dtype=torch.bool)
     mask[0, ..., 3900:] = False
-    assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=mask)[0] == "structured"
+    assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=mask)[0] == "toeplitz"
     additive = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))  # the same padding as a float mask
     assert relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=additive)[0] == "blockwise"

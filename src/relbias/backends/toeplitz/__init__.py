@@ -24,8 +24,13 @@ Under ``torch.compile`` forward and backward are ``torch.library`` custom ops
 (:mod:`relbias.backends.toeplitz._kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
 eager calls run the same functions through a plain ``autograd.Function``.
 
-Requirements (the dispatcher says which fails): an offset-only bias module, no mask, no dropout, CPU, equal
-query and value head_dim, int positions (not the tensor positions of a compiled static cache). float16 and
+A bool key padding mask (B or 1, H or 1, 1, Lk), the form patched Hugging Face models pass, is one more additive
+row per (batch, head) in both kernels (0 or -inf: a padded key's weight is exactly 0), and key tiles that are wholly
+padding are skipped; a query whose keys are all padded gets out 0 and lse -inf.
+
+Requirements (the dispatcher says which fails): an offset-only bias module, no mask or a bool key padding mask,
+no dropout, CPU, equal query and value head_dim, int positions (not the tensor positions of a compiled static
+cache). float16 and
 bfloat16 inputs run in float32 (a half-precision mask would round the bias).
 """
 
@@ -37,7 +42,7 @@ from ...biases.base import RelativeBias
 from ...call import AttentionCall
 from .._shared.cpu_flash import cpu_flash_reasons
 from .._shared.reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
-from ._kernel import part_backward, toeplitz_apply
+from ._kernel import additive_key_padding, part_backward, toeplitz_apply
 from ._native import native_unavailable_reason
 from ..base import Backend
 
@@ -73,9 +78,10 @@ class ToeplitzBackend(Backend):
                 reasons.append("there is no bias; bias-free attention needs no bias view (use blockwise or SDPA)")
         elif not bias.offset_only:
             reasons.append(f"{type(bias).__name__} reads absolute positions, so its bias is not a Toeplitz matrix")
-        if call.mask is not None:
-            reasons.append("a mask is given; the fused kernel's one additive mask is the bias view (masks go to "
-                           "structured or blockwise)")
+        if call.mask is not None and call.key_padding is None:
+            reasons.append("the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk): the kernels read the "
+                           "bias and a per-key padding row, not a mask with a query dimension or a float mask "
+                           "(those go to blockwise)")
         reasons += cpu_flash_reasons(call)
         return reasons or non_finite_reasons(call, "the fused kernel")
 
@@ -120,7 +126,8 @@ def toeplitz_attention(
     """
     native = call.native_bias()
     query, key, value = _compute_inputs(call)
-    out, lse = toeplitz_apply(query, key, value, native.values, _plan(call, block_q, tile))
+    padding = additive_key_padding(call.key_padding, query.dtype)
+    out, lse = toeplitz_apply(query, key, value, native.values, _plan(call, block_q, tile), padding)
     return out.to(call.query.dtype), lse
 
 
@@ -139,7 +146,9 @@ def toeplitz_part_backward(
     with torch.enable_grad():
         values = call.native_bias().values
     query, key, value = (t.detach() for t in _compute_inputs(call))
-    dq, dk, dv, dvalues = part_backward(grad_out, query, key, value, values, out, lse, _plan(call, None, None))
+    padding = additive_key_padding(call.key_padding, query.dtype)
+    dq, dk, dv, dvalues = part_backward(grad_out, query, key, value, values, out, lse, _plan(call, None, None),
+                                        padding)
     return dq, dk, dv, values, dvalues
 
 

@@ -30,7 +30,8 @@ EXP_FLOOR = -87.0
 
 def tiled_backward(
     do: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict,
+    lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict, *,
+    key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, grad_w) for the toeplitz forward; ``grad_w`` (Hb, M) is the gradient of the reversed, scaled bias
     ``w`` (Hb, M) (future offsets: -inf in ``w``, whatever value their gradient gets here).
@@ -38,7 +39,8 @@ def tiled_backward(
     Shapes: ``do``, ``query``, ``out`` (B, H, Lq, D) and ``key``, ``value`` (B, H, Lk, D) in one float dtype; ``lse``
     (B, H, Lq) float32 / float64, -inf for a query that sees no key; ``grad_lse`` None or like ``lse``. ``plan``:
     scale, delta, is_causal, tile (rows and keys per tile, tokens). Bias values are finite (the families validate
-    them), so the only -inf scores are a causal call's future keys. The gradients are contiguous.
+    them), so the only -inf scores are a causal call's future keys and the keys ``key_padding`` pads (None or an
+    additive (Bm, Hm, Lk) row, 0 or -inf; tiles whose keys are all padded are skipped). The gradients are contiguous.
     """
     scale, delta, is_causal, tile = plan["scale"], plan["delta"], plan["is_causal"], plan["tile"]
     b, h, lq, _ = query.shape
@@ -62,10 +64,15 @@ def tiled_backward(
             bk = k1 - k0
             keys, values = key3[:, k0:k1], value3[:, k0:k1]
             bias = block_mask(w, lq, i0, i1, k0, k1)  # (1, Hb, bq, bk) view
+            padded = None if key_padding is None else torch.isneginf(key_padding[:, :, None, k0:k1])
+            if padded is not None and bool(padded.all()):  # no query sees these keys
+                continue
             p = (bias - lse_rows).view(bh, bq, bk).baddbmm_(q_rows, keys.transpose(-1, -2))
             p = p.clamp_(min=EXP_FLOOR).exp_()
             if is_causal and k1 > i0 + delta + 1:  # a diagonal tile: its future keys read -inf
                 p.view(b, h, bq, bk).masked_fill_(torch.isneginf(bias), 0.0)
+            if padded is not None:
+                p.view(b, h, bq, bk).masked_fill_(padded, 0.0)
             pad = pads.get((bq, bk))
             if pad is None:
                 pad = pads[(bq, bk)] = torch.zeros(bh, bq, bk + bq, dtype=dtype, device=w.device)

@@ -17,18 +17,20 @@ from .._shared.denormals import flush_denormals
 from ._view import block_mask, future_offsets, key_end, reversed_bias
 from .._shared.dtypes import compute_dtype
 
-__all__ = ["part_backward", "toeplitz_apply"]
+__all__ = ["additive_key_padding", "part_backward", "toeplitz_apply"]
 
 _NEG_INF = float("-inf")
 
 
 def _forward_impl(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor, scale: float,
-    bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int,
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor,
+    key_padding: torch.Tensor | None, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int,
+    tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
-    ``tile`` is the backward's (kept with the forward's settings). The fused C++ forward
-    (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
+    ``key_padding``: None or the key padding mask as an additive (Bm, Hm, Lk) row in the dtype of ``query``, 0 or
+    -inf (:func:`additive_key_padding`). ``tile`` is the backward's (kept with the forward's settings). The fused C++
+    forward (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
     else PyTorch's CPU flash kernel per block of ``block_q`` query rows."""
     with flush_denormals():
         w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
@@ -36,6 +38,7 @@ def _forward_impl(
         native = _toeplitz_native.forward(
             query, key, value, w,
             {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k},
+            key_padding=key_padding,
         )
         if native is not None:
             return native
@@ -50,7 +53,7 @@ def _forward_impl(
                 continue
             o, l = fused_forward(
                 query[:, :, i0:i1].flip(2), key[:, :, :end], value[:, :, :end], is_causal=False, scale=scale,
-                attn_mask=block_mask(w, lq, i0, i1, 0, end),
+                attn_mask=_padded(block_mask(w, lq, i0, i1, 0, end), key_padding, end),
             )
             out[:, :, i0:i1] = o.flip(2)
             lse[:, :, i0:i1] = l.flip(2)
@@ -58,24 +61,53 @@ def _forward_impl(
         if blind:
             out[:, :, :blind] = 0.0
             lse[:, :, :blind] = _NEG_INF
+        if key_padding is not None:  # queries whose visible keys are all padded: the kernel gives lse 0 too
+            empty = _padded_rows(key_padding, lq, delta, is_causal)
+            out.masked_fill_(empty[..., None], 0.0)
+            lse.masked_fill_(empty, _NEG_INF)
         return out, lse
+
+
+def additive_key_padding(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The kernels' key padding for a (Bm, Hm, Lk) bool ``keep`` (True = may attend; ``AttentionCall.key_padding``):
+    (Bm, Hm, Lk) contiguous in ``dtype``, 0 where kept and -inf where padded; None for None."""
+    if keep is None:
+        return None
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)
+
+
+def _padded(mask: torch.Tensor, key_padding: torch.Tensor | None, end: int) -> torch.Tensor:
+    """A block's additive mask plus the key padding of its keys 0:end ((Bm, Hm, 1, end), broadcast)."""
+    return mask if key_padding is None else mask + key_padding[:, :, None, :end]
+
+
+def _padded_rows(key_padding: torch.Tensor, query_len: int, delta: int, is_causal: bool) -> torch.Tensor:
+    """(Bm, Hm, Lq) bool: the queries every visible key of which is padded (causal: keys s <= t + delta)."""
+    keep = ~torch.isneginf(key_padding)  # (Bm, Hm, Lk)
+    if not is_causal:
+        return (~keep.any(-1, keepdim=True)).expand(*keep.shape[:2], query_len)
+    first = torch.where(keep.any(-1), keep.int().argmax(-1), keep.shape[-1])  # the first kept key, Lk if none
+    rows = torch.arange(query_len, device=key_padding.device)
+    return rows + delta < first[..., None]
 
 
 toeplitz_forward = torch.library.custom_op("relbias::toeplitz_forward", _forward_impl, mutates_args=())
 
 
 @toeplitz_forward.register_fake
-def _(query, key, value, values, scale, bias_scale, delta, is_causal, block_q, tile):
+def _(query, key, value, values, key_padding, scale, bias_scale, delta, is_causal, block_q, tile):
     b, h, lq, _ = query.shape
     return query.new_empty(b, h, lq, value.shape[-1]), query.new_empty(b, h, lq, dtype=compute_dtype(query.dtype))
 
 
 def _backward_impl(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
-    value: torch.Tensor, values: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float,
-    bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int, values_grad: bool,
+    value: torch.Tensor, values: torch.Tensor, key_padding: torch.Tensor | None, out: torch.Tensor,
+    lse: torch.Tensor, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int,
+    values_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``.
+    """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``;
+    ``key_padding`` as the forward's.
     The fused C++ kernel (:mod:`relbias.backends.toeplitz._native`, built on first use: a single tiled pass that
     forms ``dS`` once for all four; its bias gradient is dropped when not wanted, about a tenth of its work). Where
     it cannot be built or ``RELBIAS_NATIVE=0`` is set: without a bias gradient, the CPU flash kernel's own backward
@@ -88,10 +120,11 @@ def _backward_impl(
             grad_lse = grad_lse.to(lse.dtype).masked_fill(empty, 0.0)
         if not values_grad and _toeplitz_native.load_native() is None:
             dq, dk, dv = _kernel_backward(do, grad_lse, query, key, value, out, lse.masked_fill(empty, float("inf")),
-                                          w, scale, delta, is_causal, block_q)
+                                          w, key_padding, scale, delta, is_causal, block_q)
             return dq, dk, dv, values.new_empty(0)
         plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile}
-        dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan)
+        dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan,
+                                                       key_padding=key_padding)
         if not values_grad:
             return dq, dk, dv, values.new_empty(0)
         grad_values = grad_w.flip(-1) * bias_scale
@@ -100,13 +133,13 @@ def _backward_impl(
         return dq, dk, dv, grad_values.to(values.dtype).contiguous()
 
 
-def part_backward(grad_out, query, key, value, values, out, lse, plan: dict):
+def part_backward(grad_out, query, key, value, values, out, lse, plan: dict, key_padding=None):
     """(dq, dk, dv, dvalues) of one part of a merged result (a ring block) run by the toeplitz forward with
     ``plan``, given the merged ``out`` and the merged (global) ``lse`` (compute dtype): the backward forms
     ``P = exp(s - lse)`` and ``D = dO . out`` from them, which is exactly this part's share, so nothing is
     recomputed. ``dvalues`` is empty unless ``values`` requires grad. Shapes as the custom ops'."""
-    return _backward_impl(grad_out, None, query, key, value, values.detach(), out, lse, *_settings(plan),
-                          values.requires_grad)
+    return _backward_impl(grad_out, None, query, key, value, values.detach(), key_padding, out, lse,
+                          *_settings(plan), values.requires_grad)
 
 
 def _settings(plan: dict) -> tuple:
@@ -115,7 +148,8 @@ def _settings(plan: dict) -> tuple:
             plan["tile"])
 
 
-def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, scale, delta, is_causal, block_q):
+def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, key_padding, scale, delta, is_causal,
+                     block_q):
     """dq, dk, dv by the CPU flash kernel's backward, one call per query block with the bias view as its mask;
     ``kernel_lse`` is +inf for rows with no key (p = exp(s - inf) = 0)."""
     lq, lk = query.shape[2], key.shape[2]
@@ -129,7 +163,7 @@ def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, scale,
         gq, gk, gv = fused_backward(
             do[:, :, rows].flip(2), query[:, :, rows].flip(2), key[:, :, :end], value[:, :, :end],
             out[:, :, rows].flip(2), kernel_lse[:, :, rows].flip(2), is_causal=False, scale=scale,
-            attn_mask=block_mask(w, lq, i0, i1, 0, end),
+            attn_mask=_padded(block_mask(w, lq, i0, i1, 0, end), key_padding, end),
             lse_grad=None if grad_lse is None else grad_lse[:, :, rows].flip(2),
         )
         dq[:, :, rows] = gq.flip(2)
@@ -142,30 +176,30 @@ toeplitz_backward = torch.library.custom_op("relbias::toeplitz_backward", _backw
 
 
 @toeplitz_backward.register_fake
-def _(grad_out, grad_lse, query, key, value, values, out, lse, scale, bias_scale, delta, is_causal, block_q, tile,
-      values_grad):
+def _(grad_out, grad_lse, query, key, value, values, key_padding, out, lse, scale, bias_scale, delta, is_causal,
+      block_q, tile, values_grad):
     dvalues = values.new_empty(values.shape) if values_grad else values.new_empty(0)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dvalues  # contiguous
 
 
 def _setup_context(ctx, inputs, output):
-    query, key, value, values, *settings = inputs
+    query, key, value, values, key_padding, *settings = inputs
     ctx.settings = settings  # scale, bias_scale, delta, is_causal, block_q, tile
     ctx.values_grad = values.requires_grad
-    ctx.save_for_backward(query, key, value, values, *output)
+    ctx.save_for_backward(query, key, value, values, key_padding, *output)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not zeros (which would cost a padded pass)
 
 
 def _backward_with(backward_op):
     @first_order("toeplitz")
     def backward(ctx, grad_out, grad_lse):
-        query, key, value, values, out, lse = ctx.saved_tensors
+        query, key, value, values, key_padding, out, lse = ctx.saved_tensors
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         dq, dk, dv, dvalues = backward_op(
-            grad_out, grad_lse, query, key, value, values, out, lse, *ctx.settings, ctx.values_grad
+            grad_out, grad_lse, query, key, value, values, key_padding, out, lse, *ctx.settings, ctx.values_grad
         )
-        return dq, dk, dv, dvalues if ctx.values_grad else None, *([None] * len(ctx.settings))
+        return dq, dk, dv, dvalues if ctx.values_grad else None, None, *([None] * len(ctx.settings))
 
     return backward
 
@@ -176,8 +210,9 @@ toeplitz_forward.register_autograd(_backward_with(toeplitz_backward), setup_cont
 _Eager = eager_function("ToeplitzEager", _forward_impl, _setup_context, _backward_with(_backward_impl))
 
 
-def toeplitz_apply(query, key, value, values, plan: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def toeplitz_apply(query, key, value, values, plan: dict, key_padding=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward (differentiable through the backward) with ``plan``'s settings: scale, bias_scale, delta,
-    is_causal, block_q, tile; as the custom ops while torch.compile traces, else as plain functions."""
+    is_causal, block_q, tile, and the additive ``key_padding`` (None or (Bm, Hm, Lk)); as the custom ops while
+    torch.compile traces, else as plain functions."""
     apply = toeplitz_forward if torch.compiler.is_compiling() else _Eager.apply
-    return apply(query, key, value, values, *_settings(plan))
+    return apply(query, key, value, values, key_padding, *_settings(plan))

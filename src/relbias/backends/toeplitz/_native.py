@@ -142,7 +142,8 @@ def rows_layout(tensor: torch.Tensor) -> torch.Tensor:
 
 def backward(
     do: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict,
+    lse: torch.Tensor, grad_lse: torch.Tensor | None, w: torch.Tensor, plan: dict, *,
+    key_padding: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, grad_w) for the toeplitz forward by the native kernel, or by the Python ``tiled_backward`` where
     it is unavailable (a failed build warns once); arguments and results as ``tiled_backward``'s.
@@ -152,15 +153,16 @@ def backward(
     float64, -inf for a query that sees no key;
     ``grad_lse`` None or like ``lse``; ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a
     causal call's future offsets). ``plan``: scale, delta, is_causal, tile (rows and keys per tile, tokens).
+    ``key_padding``: None or the key padding mask as an additive (Bm, Hm, Lk) row, 0 or -inf (Bm 1 or B, Hm 1 or H).
     Returns contiguous dq, dk, dv like the inputs and ``grad_w`` (Hb, Lq + Lk - 1) in the inputs' dtype (values at
     future offsets: unspecified, the caller zeroes them). Source: FlashAttention-2 backward (Dao 2023, Alg. 2).
     """
     if not _runs(query, "backward runs in Python"):
-        return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan)
-    return native_backward(do, query, key, value, out, lse, grad_lse, w, plan)
+        return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan, key_padding=key_padding)
+    return native_backward(do, query, key, value, out, lse, grad_lse, w, plan, key_padding=key_padding)
 
 
-def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas: bool = True):
+def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas: bool = True, key_padding=None):
     """:func:`backward` by the native kernel only (raises RuntimeError where it is unavailable). ``blas``: GEMMs
     through the BLAS that libtorch exports (MKL's sgemm_ / dgemm_) when present, else through at::addmm_out
     (False: always at::addmm_out; for tests)."""
@@ -170,7 +172,7 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     grad_lse = None if grad_lse is None else grad_lse.to(dtype)
     dq, dk, dv, grad_w = module.toeplitz_backward(
         *tensors, grad_lse, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]),
-        bool(plan["is_causal"]), int(plan["tile"]), blas,
+        bool(plan["is_causal"]), int(plan["tile"]), blas, _padding(key_padding, dtype),
     )
     return dq, dk, dv, grad_w
 
@@ -184,7 +186,7 @@ def forward_tiles(block_q: int) -> tuple[int, int]:
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torch.Tensor,
-            plan: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+            plan: dict, *, key_padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(out, lse) of the toeplitz attention by the native kernel, or None where it does not run (not CPU float32 /
     float64, an empty length, ``RELBIAS_NATIVE=0``, or a failed build: that warns once); the caller then runs the
     CPU flash kernel per query block.
@@ -192,17 +194,17 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
     Shapes: ``query`` (B, H, Lq, D), ``key`` (B, H, Lk, D), ``value`` (B, H, Lk, Dv), one dtype, any strides
     (read in place where :func:`rows_layout` allows, else copied); ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a causal
     call's future offsets). ``plan``: scale, delta, is_causal, tile_q, tile_k (query rows and keys per tile).
-    Returns contiguous out (B, H, Lq, Dv) in the inputs' dtype and lse (B, H, Lq) in that dtype, -inf (out 0) for
+    ``key_padding``: as :func:`backward`'s; a key tile whose keys are all padded is skipped. Returns contiguous out (B, H, Lq, Dv) in the inputs' dtype and lse (B, H, Lq) in that dtype, -inf (out 0) for
     a query that sees no key. Source: FlashAttention-2 forward (Dao 2023, Alg. 1).
     """
     if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[2] == 0 or key.shape[2] == 0:
         return None
     if not _runs(query, "forward runs PyTorch's flash kernel per query block"):
         return None
-    return native_forward(query, key, value, w, plan)
+    return native_forward(query, key, value, w, plan, key_padding=key_padding)
 
 
-def native_forward(query, key, value, w, plan, *, blas: bool = True):
+def native_forward(query, key, value, w, plan, *, blas: bool = True, key_padding=None):
     """:func:`forward` by the native kernel only (raises RuntimeError where it is unavailable); ``blas`` as in
     :func:`native_backward`."""
     module = _module("forward")
@@ -210,6 +212,11 @@ def native_forward(query, key, value, w, plan, *, blas: bool = True):
     q, k, v = (rows_layout(t.to(dtype)) for t in (query, key, value))
     out, lse = module.toeplitz_forward(
         q, k, v, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]), bool(plan["is_causal"]),
-        int(plan["tile_q"]), int(plan["tile_k"]), blas,
+        int(plan["tile_q"]), int(plan["tile_k"]), blas, _padding(key_padding, dtype),
     )
     return out, lse
+
+
+def _padding(key_padding: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The additive key padding as the kernels read it: ``dtype``, contiguous (None stays None)."""
+    return None if key_padding is None else key_padding.to(dtype).contiguous()

@@ -64,12 +64,13 @@ PREFER_STRUCTURED_SCORES = 1 << 19
 
 
 def _toeplitz_call(query, key, value, mask, query_start, key_start, settings: BlockSettings):
-    """The block's validated call when the toeplitz backend can run it (an offset-only bias, no mask, CPU), else
-    None: its backward then needs no recompute (:func:`relbias.backends.toeplitz.toeplitz_part_backward`)."""
-    if mask is not None or "toeplitz" not in BACKENDS:
+    """The block's validated call when the toeplitz backend can run it (an offset-only bias, no mask or a bool key
+    padding mask, CPU), else None: its backward then needs no recompute
+    (:func:`relbias.backends.toeplitz.toeplitz_part_backward`)."""
+    if "toeplitz" not in BACKENDS:
         return None
     call = make_call(
-        query, key, value, bias=settings.bias, is_causal=settings.is_causal, scale=settings.scale,
+        query, key, value, bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
         convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
     )
     return None if BACKENDS["toeplitz"].unsupported_reasons(call) else call
@@ -138,8 +139,8 @@ def block_backward(
 
     A far block on the fused CPU kernel runs the kernel's backward with the merged output and the global lse
     (:func:`relbias.distributed.ring.fused.far_block_backward`, no recompute), and so does a biased block that the
-    toeplitz backend runs (an offset-only bias without a mask). Any other block's forward is rerun on
-    detached copies of its inputs; the gradients reaching its
+    toeplitz backend runs (an offset-only bias, with or without a key padding mask). Any other block's forward is
+    rerun on detached copies of its inputs; the gradients reaching its
     ``(out_b, lse_b)`` from the merged output are ``w_b dO`` and ``w_b (dO . out_b - dO . out)``,
     ``w_b = exp(lse_b - lse)`` (:func:`relbias.distributed.merge.part_gradients`), and autograd carries them
     to the block's inputs.

@@ -10,8 +10,10 @@
 //   P  = exp(max(S + w - lse, -87)),  dS = P * (dP - D),  dw[Lq-1-i+j] += dS_ij    (one fused pass)
 //   dv += P^T dO,  dq += scale dS k,  dk += scale dS^T q                        (GEMMs)
 //
-// with D_i = dO_i . O_i - grad_lse_i. P is exactly 0 for a causal call's future keys (j > i + delta) and for
-// queries whose lse is -inf (they see no key); such rows add nothing to any gradient.
+// with D_i = dO_i . O_i - grad_lse_i. P is exactly 0 for a causal call's future keys (j > i + delta), for keys a
+// key padding mask pads (an additive row per (b, h), 0 or -inf: x = S + w + pad - lse) and for queries whose lse is
+// -inf (they see no key); such entries add nothing to any gradient, and key tiles whose keys are all padded are
+// skipped.
 //
 // Parallel over B*H: each task owns its dq, dk, dv rows and its own bias-gradient row, and the rows are summed over
 // batch (and heads, for a bias shared by every head) in a fixed order afterwards, so results are bit-identical
@@ -45,8 +47,9 @@ constexpr int64_t kSpread = 8;
 template <typename T>
 void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
-                     const at::Tensor& w, double scale_d, int64_t delta, bool is_causal, int64_t tile, bool blas,
-                     at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_w) {
+                     const at::Tensor& w, const c10::optional<at::Tensor>& kpad, double scale_d, int64_t delta,
+                     bool is_causal, int64_t tile, bool blas, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                     at::Tensor& grad_w) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
   const int64_t Hb = w.size(0), M = w.size(1);
@@ -58,6 +61,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   const Rows<T> do_rows(dout), q_rows(q), k_rows(k), v_rows(v), o_rows(out);  // read in place, any batch/head/row strides
   const int64_t do_ld = do_rows.ld, q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld, o_ld = o_rows.ld;
   const Entries<T> lse_at(lse);
+  const KeyPadding<T> pad_rows(kpad, H);
   const c10::optional<Entries<T>> glse_at = grad_lse.has_value() ? c10::optional<Entries<T>>(Entries<T>(*grad_lse))
                                                                    : c10::nullopt;
   const T* w_p = w.data_ptr<T>();
@@ -83,6 +87,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
       const T* ob = o_rows(bh);
       const T* kb = k_rows(bh);
       const T* vb = v_rows(bh);
+      const T* pad = pad_rows(bh);  // nullptr without a key padding mask
       T* dqb = dq_p + bh * Lq * Dk;
       T* dkb = dk_p + bh * Lk * Dk;
       T* dvb = dv_p + bh * Lk * Dv;
@@ -108,6 +113,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
         const T* dot_ = dob + i0 * do_ld;
         for (int64_t k0 = 0; k0 < kend; k0 += tile) {
           const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
+          if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // P = 0 for every entry: nothing to add
           const T* kt = kb + k0 * k_ld;
           const T* vt = vb + k0 * v_ld;
           gemm<T>(false, true, bq, bk, Dk, scale, qt, q_ld, kt, k_ld, T(0), S, tile, blas);
@@ -125,15 +131,29 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
             const T l = row_lse[a], dd = row_d[a];
             const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
             T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0);
-            for (int64_t j = 0; j < jend; ++j) {
-              T x = srow[j] + wrow[j] - l;
-              x = x < floor ? floor : x;
-              x = x > ceiling ? ceiling : x;
-              const T p = exp_clamped(x);
-              const T ds = p * (prow[j] - dd);
-              srow[j] = p;
-              prow[j] = ds;
-              grow[j] += ds;
+            if (pad == nullptr) {
+              for (int64_t j = 0; j < jend; ++j) {
+                T x = srow[j] + wrow[j] - l;
+                x = x < floor ? floor : x;
+                x = x > ceiling ? ceiling : x;
+                const T p = exp_clamped(x);
+                const T ds = p * (prow[j] - dd);
+                srow[j] = p;
+                prow[j] = ds;
+                grow[j] += ds;
+              }
+            } else {
+              const T* __restrict__ padrow = pad + k0;
+              for (int64_t j = 0; j < jend; ++j) {  // as above, and P = 0 exactly where the key is padded
+                T x = srow[j] + (wrow[j] + padrow[j]) - l;
+                x = x < floor ? floor : x;
+                x = x > ceiling ? ceiling : x;
+                const T p = exp_clamped(x) * (padrow[j] == neg_inf ? T(0) : T(1));
+                const T ds = p * (prow[j] - dd);
+                srow[j] = p;
+                prow[j] = ds;
+                grow[j] += ds;
+              }
             }
             for (int64_t j = jend; j < bk; ++j) {
               srow[j] = T(0);
@@ -178,12 +198,14 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 // k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; CPU tensors of one dtype,
 // float32 or float64: dout, q, k, v, out with unit stride along D (other strides read in place), lse and grad_lse any
 // strides, w contiguous. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
-// (when present) instead of at::addmm_out.
+// (when present) instead of at::addmm_out. kpad: None or the key padding as toeplitz_forward takes it.
 std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                           const c10::optional<at::Tensor>& grad_lse, const at::Tensor& w,
-                                          double scale, int64_t delta, bool is_causal, int64_t tile, bool blas) {
+                                          double scale, int64_t delta, bool is_causal, int64_t tile, bool blas,
+                                          const c10::optional<at::Tensor>& kpad) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward");
+  check_kpad(kpad, q, k, dtype, "toeplitz_backward");
   check(dout, "grad_out", dtype, 4, Layout::kRows);
   check(out, "out", dtype, 4, Layout::kRows);
   check(lse, "lse", dtype, 3, Layout::kAny);
@@ -201,8 +223,8 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
   at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   at::Tensor dv = at::zeros(v.sizes(), v.options()), grad_w = at::empty_like(w);
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_backward", [&] {
-    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, scale, delta, is_causal, tile, blas, dq, dk,
-                              dv, grad_w);
+    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, kpad, scale, delta, is_causal, tile, blas, dq,
+                              dk, dv, grad_w);
   });
   return {dq, dk, dv, grad_w};
 }
@@ -211,8 +233,12 @@ bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("toeplitz_backward", &toeplitz_backward, "toeplitz backward with a bias gradient (dq, dk, dv, grad_w)",
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
+        py::arg("grad_lse"), py::arg("w"), py::arg("scale"), py::arg("delta"), py::arg("is_causal"), py::arg("tile"),
+        py::arg("blas"), py::arg("kpad") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("toeplitz_forward", &toeplitz_forward, "toeplitz forward (out, lse), fused (toeplitz_forward.cpp)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("w"), py::arg("scale"), py::arg("delta"),
+        py::arg("is_causal"), py::arg("tile_q"), py::arg("tile_k"), py::arg("blas"), py::arg("kpad") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
 #ifdef RELBIAS_SOURCE_DIGEST  // an ahead-of-time build (setup.py): the digest of the sources it was built from

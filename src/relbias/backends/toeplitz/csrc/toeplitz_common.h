@@ -171,9 +171,49 @@ inline at::ScalarType check_qkvw(const at::Tensor& q, const at::Tensor& k, const
   return dtype;
 }
 
+// A key padding mask as an additive row per (b, h): kpad (Bm, Hm, Lk) contiguous, 0 for a key the queries may see
+// and -inf for a padded one, Bm 1 or B, Hm 1 or H (a broadcast batch or head). (*this)(bh) is the row of b * H + h,
+// or nullptr without a mask.
+template <typename T>
+struct KeyPadding {
+  const T* p = nullptr;
+  int64_t batches = 1, heads = 1, num_heads = 1, len = 0;
+  KeyPadding(const c10::optional<at::Tensor>& kpad, int64_t H) : num_heads(H) {
+    if (!kpad.has_value()) return;
+    p = kpad->data_ptr<T>();
+    batches = kpad->size(0);
+    heads = kpad->size(1);
+    len = kpad->size(2);
+  }
+  const T* operator()(int64_t bh) const {
+    if (p == nullptr) return nullptr;
+    const int64_t b = batches == 1 ? 0 : bh / num_heads, h = heads == 1 ? 0 : bh % num_heads;
+    return p + (b * heads + h) * len;
+  }
+};
+
+// Whether every key of a padding row's window [0, n) is padded (-inf): a tile the kernels skip.
+template <typename T>
+inline bool all_padded(const T* row, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (row[j] != -std::numeric_limits<T>::infinity()) return false;
+  }
+  return true;
+}
+
+// The checks of an optional key padding mask kpad against q (B, H, Lq, D) and k (B, H, Lk, D) (fn, for messages).
+inline void check_kpad(const c10::optional<at::Tensor>& kpad, const at::Tensor& q, const at::Tensor& k,
+                       at::ScalarType dtype, const char* fn) {
+  if (!kpad.has_value()) return;
+  check(*kpad, "key padding", dtype, 3);
+  TORCH_CHECK((kpad->size(0) == 1 || kpad->size(0) == q.size(0)) && (kpad->size(1) == 1 || kpad->size(1) == q.size(1))
+                  && kpad->size(2) == k.size(2), fn, ": the key padding must be (1 or B, 1 or H, Lk)");
+}
+
 }  // namespace relbias_toeplitz
 
 // Defined in toeplitz_forward.cpp; see there.
 std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
-                                         int64_t tile_q, int64_t tile_k, bool blas);
+                                         int64_t tile_q, int64_t tile_k, bool blas,
+                                         const c10::optional<at::Tensor>& kpad);

@@ -14,8 +14,10 @@
 //   out = O / l,  lse = m + log l
 //
 // Keys beyond a row's diagonal (causal) get P = 0 exactly without being exponentiated; terms exp(x - m') below
-// e^-87 are dropped (0), as float32 flushes them (they are below 2^-126 of the row's largest term, 1). A query that
-// sees no key (causal, every key after it) gets out 0 and lse -inf.
+// e^-87 are dropped (0), as float32 flushes them (they are below 2^-126 of the row's largest term, 1). A key padding
+// mask is one more additive row per (b, h), 0 or -inf (x = S + w + pad: a padded key's P is exactly 0), and a key
+// tile whose keys are all padded is skipped (no GEMM). A query that sees no key (causal, every key after it, or
+// every key padded) gets out 0 and lse -inf.
 //
 // Parallel over (batch x head, query tile) tasks, taken from a shared counter by each of torch's threads, the
 // heaviest (a causal call's last query tiles) first: enough tasks for every thread even at B*H = 1, balanced.
@@ -72,6 +74,34 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, int64_t n) {
   return mx;
 }
 
+// add_bias_max with a second additive row: srow[j] += wrow[j] + prow[j] (the key padding, 0 or -inf).
+template <typename T>
+T add_bias_pad_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n) {
+  constexpr int kLanes = 64 / sizeof(T);
+  typedef T Vec __attribute__((vector_size(64)));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  Vec part;
+  for (int l = 0; l < kLanes; ++l) part[l] = neg_inf;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    Vec x, b, c;
+    std::memcpy(&x, srow + j, sizeof(Vec));
+    std::memcpy(&b, wrow + j, sizeof(Vec));
+    std::memcpy(&c, prow + j, sizeof(Vec));
+    x += b + c;
+    std::memcpy(srow + j, &x, sizeof(Vec));
+    part = (x > part) | (x != x) ? x : part;
+  }
+  T mx = neg_inf;
+  for (; j < n; ++j) {
+    const T x = srow[j] + (wrow[j] + prow[j]);
+    srow[j] = x;
+    mx = x > mx || x != x ? x : mx;
+  }
+  for (int l = 0; l < kLanes; ++l) mx = part[l] > mx || part[l] != part[l] ? part[l] : mx;
+  return mx;
+}
+
 // exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises).
 template <typename T>
 inline T exp_term(T s, T m, T floor) {
@@ -106,8 +136,8 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
 
 template <typename T>
 void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
-                    double scale_d, int64_t delta, bool is_causal, int64_t tile_q, int64_t tile_k, bool blas,
-                    at::Tensor& out, at::Tensor& lse) {
+                    const c10::optional<at::Tensor>& kpad, double scale_d, int64_t delta, bool is_causal,
+                    int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out, at::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
   const int64_t Hb = w.size(0), M = w.size(1);
@@ -118,6 +148,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const T neg_inf = -std::numeric_limits<T>::infinity();
 
   const Rows<T> q_rows(q), k_rows(k), v_rows(v);
+  const KeyPadding<T> pad_rows(kpad, H);
   const int64_t q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld;
   const T* w_p = w.data_ptr<T>();
   T* o_p = out.data_ptr<T>();
@@ -141,6 +172,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const T* qb = q_rows(bh) + i0 * q_ld;
       const T* kb = k_rows(bh);
       const T* vb = v_rows(bh);
+      const T* pad = pad_rows(bh);  // nullptr without a key padding mask
       T* ob = o_p + (bh * Lq + i0) * Dv;  // the tile's output rows: O, unnormalised until the end
       T* lb = lse_p + bh * Lq + i0;
       std::fill(ob, ob + bq * Dv, T(0));
@@ -149,6 +181,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
       for (int64_t k0 = 0; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
+        if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
         gemm<T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, tile_k, blas);
         for (int64_t a = 0; a < bq; ++a) {
           const int64_t i = i0 + a;
@@ -156,7 +189,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           int64_t jend = bk;  // keys k0 + j, j < jend, are visible to query i
           if (is_causal) jend = std::min(bk, std::max<int64_t>(0, i + delta + 1 - k0));
           const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
-          const T mx = add_bias_max(srow, wrow, jend);
+          const T mx = pad == nullptr ? add_bias_max(srow, wrow, jend) : add_bias_pad_max(srow, wrow, pad + k0, jend);
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (jend == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
@@ -178,7 +211,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       for (int64_t a = 0; a < bq; ++a) {
         T* __restrict__ orow = ob + a * Dv;
         const T l = row_l[a];
-        if (l == T(0)) {  // sees no key: out 0, lse -inf (a NaN score stays NaN)
+        if (l == T(0)) {  // sees no key (causal or padded): out 0, lse -inf (a NaN score stays NaN)
           std::fill(orow, orow + Dv, T(0));
           lb[a] = neg_inf;
           continue;
@@ -198,11 +231,13 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // in place), w contiguous. delta: key s is visible to query t when
 // s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
 // (B, H, Lq), contiguous, in that dtype. blas: call the exported BLAS directly (when present) instead of
-// at::addmm_out.
+// at::addmm_out. kpad: None or the key padding mask as an additive (1 or B, 1 or H, Lk) row, 0 or -inf, contiguous.
 std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
-                                         int64_t tile_q, int64_t tile_k, bool blas) {
+                                         int64_t tile_q, int64_t tile_k, bool blas,
+                                         const c10::optional<at::Tensor>& kpad) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward");
+  check_kpad(kpad, q, k, dtype, "toeplitz_forward");
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   TORCH_CHECK(tile_q > 0 && tile_k > 0, "toeplitz_forward: tiles must be positive");
   tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
@@ -214,7 +249,7 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor lse = at::empty({B, H, Lq}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_forward", [&] {
-    forward_kernel<scalar_t>(q, k, v, w, scale, delta, is_causal, tile_q, tile_k, blas, out, lse);
+    forward_kernel<scalar_t>(q, k, v, w, kpad, scale, delta, is_causal, tile_q, tile_k, blas, out, lse);
   });
   return {out, lse};
 }
