@@ -101,8 +101,6 @@ def explain_backend(
         >>> additive = torch.zeros(1, 1, 1, 4096)  # an additive float mask (0 = keep, -inf = padded)
         >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), mask=additive)[0]
         'blockwise'
-        >>> relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8), dropout_p=0.1)[0]  # training with dropout
-        'blockwise'
     """
     # the seed does not steer the choice: draw it from a throwaway generator (a non-generator still raises)
     probe = torch.Generator() if isinstance(generator, torch.Generator) or generator is None else generator

@@ -177,7 +177,7 @@ def test_explain_backend_takes_every_argument_of_attention():
     {"dropout_p": 0.1}, {"dropout_p": 0.1, "is_causal": True}, {"return_lse": True}, {"is_causal": True},
 ], ids=str)
 def test_explain_backend_names_the_backend_that_runs_a_training_call(monkeypatch, kwargs):
-    """With dropout (the fused backends refuse it) and without: the named backend is the one whose forward runs,
+    """With dropout (toeplitz's native kernels draw it) and without: the named backend is the one whose forward runs,
     and asking draws no dropout seed (the global RNG and a passed generator are left as they were)."""
     ran = []
     for name, backend in relbias.backends.BACKENDS.items():
@@ -190,4 +190,5 @@ def test_explain_backend_names_the_backend_that_runs_a_training_call(monkeypatch
     assert torch.equal(torch.get_rng_state(), global_state) and torch.equal(generator.get_state(), generator_state)
     relbias.attention(q, k, v, bias=bias, generator=generator, **kwargs)
     assert ran == [name]
-    assert (name == "toeplitz") != ("dropout_p" in kwargs)  # the fused kernels draw no dropout mask
+    native = _toeplitz_native.native_unavailable_reason() is None
+    assert name == ("toeplitz" if native or "dropout_p" not in kwargs else "blockwise")

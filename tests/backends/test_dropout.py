@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import relbias
+from relbias.backends.toeplitz import _native as _toeplitz_native
 from relbias._dropout import Dropout
 
 
@@ -92,14 +93,18 @@ def test_expected_output_is_the_undropped_output():
     assert bool(((samples.mean(dim=0) - want).abs() <= 5 * stderr + 1e-6).all())
 
 
-def test_fused_backends_refuse_dropout_and_auto_takes_blockwise(monkeypatch):
+def test_toeplitz_takes_dropout_in_its_native_kernels_and_the_other_fused_backends_refuse_it(monkeypatch):
     monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 0)
     q, k, v, _ = _inputs(lq=40, lk=40)
     bias = relbias.T5Bias(2, num_buckets=8, max_distance=16)
-    for name in ("toeplitz", "structured", "flex"):
+    for name in ("structured", "flex"):
         with pytest.raises(ValueError, match=rf"backend '{name}' cannot run this call: .*attention dropout \(dropout_p=0.1\)"):
             relbias.attention(q, k, v, bias=bias, backend=name, dropout_p=0.1)
-    assert relbias.explain_backend(q, k, v, bias=bias)[0] == "toeplitz"  # without dropout
+    native = _toeplitz_native.native_unavailable_reason() is None
+    assert relbias.explain_backend(q, k, v, bias=bias, dropout_p=0.1)[0] == ("toeplitz" if native else "blockwise")
+    monkeypatch.setenv("RELBIAS_NATIVE", "0")  # without the native kernels, dropout goes to blockwise
+    with pytest.raises(ValueError, match=r"attention dropout \(dropout_p=0.1\) runs in the native kernels only"):
+        relbias.attention(q, k, v, bias=bias, backend="toeplitz", dropout_p=0.1)
     assert relbias.explain_backend(q, k, v, bias=bias, dropout_p=0.1)[0] == "blockwise"
     with torch.no_grad():
         got = relbias.attention(q, k, v, bias=bias, dropout_p=0.1, generator=torch.Generator().manual_seed(0))

@@ -46,7 +46,7 @@ def test_the_custom_ops_pass_torch_library_opcheck(values_grad):
 
     q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (5, 7, 7))
     values = torch.randn(7 + 5 - 1, 2, dtype=torch.float64).t().requires_grad_(values_grad)  # strided, like a lookup
-    settings = (0.5, 1.0, 2, True, 3, 4)  # scale, bias_scale, delta, is_causal, block_q, tile
+    settings = (0.5, 1.0, 2, True, 3, 4, 0.0, 0, 0, 0)  # scale, bias_scale, delta, is_causal, block_q, tile, no dropout
     torch.library.opcheck(toeplitz_forward, (q, k, v, values, None, *settings))
     out, lse = toeplitz_forward(q, k, v, values.detach(), None, *settings)
     grads = (torch.randn_like(out), torch.randn_like(lse))

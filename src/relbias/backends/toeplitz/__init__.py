@@ -24,12 +24,17 @@ Under ``torch.compile`` forward and backward are ``torch.library`` custom ops
 (:mod:`relbias.backends.toeplitz._kernel`), so a model compiled with ``fullgraph=True`` calls each as one node;
 eager calls run the same functions through a plain ``autograd.Function``.
 
+Attention dropout runs inside the native kernels: the counter-based mask of :mod:`relbias._dropout` (the entries
+the reference and blockwise drop, for the same seed) is generated per tile in the forward, after the row sums, and
+regenerated in the backward; no (B, H, Lq, Lk) tensor exists. Without the native kernels, dropout goes to
+blockwise.
+
 A bool key padding mask (B or 1, H or 1, 1, Lk), the form patched Hugging Face models pass, is one more additive
 row per (batch, head) in both kernels (0 or -inf: a padded key's weight is exactly 0), and key tiles that are wholly
 padding are skipped; a query whose keys are all padded gets out 0 and lse -inf.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask or a bool key padding mask,
-no dropout, CPU, equal query and value head_dim, int positions (not the tensor positions of a compiled static
+no dropout unless the native kernels run, CPU, equal query and value head_dim, int positions (not the tensor positions of a compiled static
 cache). float16 and
 bfloat16 inputs run in float32 (a half-precision mask would round the bias).
 """
@@ -41,7 +46,7 @@ import torch
 from ...biases.base import RelativeBias
 from ...call import AttentionCall
 from .._shared.cpu_flash import cpu_flash_reasons
-from .._shared.reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
+from .._shared.reasons import non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
 from ._kernel import additive_key_padding, part_backward, toeplitz_apply
 from ._native import native_unavailable_reason
 from ..base import Backend
@@ -70,8 +75,12 @@ class ToeplitzBackend(Backend):
     )
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "the fused kernel")
-        reasons += tensor_position_reasons(call, "toeplitz")
+        reasons = tensor_bias_reasons(call) + tensor_position_reasons(call, "toeplitz")
+        if call.dropout is not None and call.query.device.type == "cpu":
+            why_not_native = native_unavailable_reason()  # builds the native kernels on the first call
+            if why_not_native is not None:
+                reasons.append(f"attention dropout (dropout_p={call.dropout.p}) runs in the native kernels only, "
+                               f"which are unavailable ({why_not_native}); blockwise applies it")
         bias = call.bias
         if not isinstance(bias, RelativeBias):
             if bias is None:
@@ -162,7 +171,11 @@ def _compute_inputs(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 def _plan(call: AttentionCall, block_q: int | None, tile: int | None) -> dict:
-    return {
+    plan = {
         "scale": call.scale, "bias_scale": call.bias_scale, "delta": call.delta, "is_causal": call.is_causal,
         "block_q": block_q or BLOCK_Q, "tile": tile or TILE,
     }
+    if call.dropout is not None:  # the counter-based mask at the call's absolute positions (relbias._dropout)
+        d = call.dropout
+        plan.update(dropout_p=d.p, seed=d.seed, query_start=int(d.query_start), key_start=int(d.key_start))
+    return plan

@@ -165,14 +165,15 @@ def backward(
 def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas: bool = True, key_padding=None):
     """:func:`backward` by the native kernel only (raises RuntimeError where it is unavailable). ``blas``: GEMMs
     through the BLAS that libtorch exports (MKL's sgemm_ / dgemm_) when present, else through at::addmm_out
-    (False: always at::addmm_out; for tests)."""
+    (False: always at::addmm_out; for tests). ``plan`` may also hold the attention dropout's ``dropout_p``, ``seed``,
+    ``query_start`` and ``key_start`` (:class:`relbias._dropout.Dropout`; ``out`` is then the dropped output)."""
     module = _module("backward")
     dtype = query.dtype
     tensors = [rows_layout(t.to(dtype)) for t in (do, query, key, value, out)] + [lse.to(dtype)]
     grad_lse = None if grad_lse is None else grad_lse.to(dtype)
     dq, dk, dv, grad_w = module.toeplitz_backward(
         *tensors, grad_lse, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]),
-        bool(plan["is_causal"]), int(plan["tile"]), blas, _padding(key_padding, dtype),
+        bool(plan["is_causal"]), int(plan["tile"]), blas, _padding(key_padding, dtype), *_dropout(plan),
     )
     return dq, dk, dv, grad_w
 
@@ -205,16 +206,22 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
 
 
 def native_forward(query, key, value, w, plan, *, blas: bool = True, key_padding=None):
-    """:func:`forward` by the native kernel only (raises RuntimeError where it is unavailable); ``blas`` as in
-    :func:`native_backward`."""
+    """:func:`forward` by the native kernel only (raises RuntimeError where it is unavailable); ``blas`` and the
+    dropout settings ``plan`` may hold as in :func:`native_backward`."""
     module = _module("forward")
     dtype = query.dtype
     q, k, v = (rows_layout(t.to(dtype)) for t in (query, key, value))
     out, lse = module.toeplitz_forward(
         q, k, v, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]), bool(plan["is_causal"]),
-        int(plan["tile_q"]), int(plan["tile_k"]), blas, _padding(key_padding, dtype),
+        int(plan["tile_q"]), int(plan["tile_k"]), blas, _padding(key_padding, dtype), *_dropout(plan),
     )
     return out, lse
+
+
+def _dropout(plan: dict) -> tuple[float, int, int, int]:
+    """The kernels' dropout arguments from a plan: (dropout_p, seed, query_start, key_start); p 0: none."""
+    return (float(plan.get("dropout_p", 0.0)), int(plan.get("seed", 0)), int(plan.get("query_start", 0)),
+            int(plan.get("key_start", 0)))
 
 
 def _padding(key_padding: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

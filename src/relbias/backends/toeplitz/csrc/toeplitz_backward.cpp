@@ -13,7 +13,9 @@
 // with D_i = dO_i . O_i - grad_lse_i. P is exactly 0 for a causal call's future keys (j > i + delta), for keys a
 // key padding mask pads (an additive row per (b, h), 0 or -inf: x = S + w + pad - lse) and for queries whose lse is
 // -inf (they see no key); such entries add nothing to any gradient, and key tiles whose keys are all padded are
-// skipped.
+// skipped. With attention dropout (mask Z, 0 or 1 / (1 - p), regenerated from its counter: toeplitz_common.h),
+// dv += (P Z)^T dO and dS = P * (dP Z - D), D_i = dO_i . O_i of the dropped output (FlashAttention-2 with
+// dropout, Dao 2023).
 //
 // Parallel over B*H: each task owns its dq, dk, dv rows and its own bias-gradient row, and the rows are summed over
 // batch (and heads, for a bias shared by every head) in a fixed order afterwards, so results are bit-identical
@@ -47,9 +49,9 @@ constexpr int64_t kSpread = 8;
 template <typename T>
 void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
-                     const at::Tensor& w, const c10::optional<at::Tensor>& kpad, double scale_d, int64_t delta,
-                     bool is_causal, int64_t tile, bool blas, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
-                     at::Tensor& grad_w) {
+                     const at::Tensor& w, const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout,
+                     double scale_d, int64_t delta, bool is_causal, int64_t tile, bool blas, at::Tensor& dq,
+                     at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_w) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
   const int64_t Hb = w.size(0), M = w.size(1);
@@ -57,6 +59,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   const T scale = static_cast<T>(scale_d);
   const T floor = static_cast<T>(kExpFloor), ceiling = exp_ceiling<T>();
   const T neg_inf = -std::numeric_limits<T>::infinity();
+  const T keep_scale = static_cast<T>(dropout.keep_scale);
 
   const Rows<T> do_rows(dout), q_rows(q), k_rows(k), v_rows(v), o_rows(out);  // read in place, any batch/head/row strides
   const int64_t do_ld = do_rows.ld, q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld, o_ld = o_rows.ld;
@@ -131,7 +134,23 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
             const T l = row_lse[a], dd = row_d[a];
             const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
             T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0);
-            if (pad == nullptr) {
+            if (dropout.on) {  // P, the mask Z regenerated, then as below with dP Z and P Z
+              const T* __restrict__ padrow = pad == nullptr ? nullptr : pad + k0;
+              const uint32_t row_hash = dropout.row(bh, i), key_base = dropout.key_base(k0);
+              for (int64_t j = 0; j < jend; ++j) {
+                T x = srow[j] + (padrow == nullptr ? wrow[j] : wrow[j] + padrow[j]) - l;
+                x = x < floor ? floor : x;
+                x = x > ceiling ? ceiling : x;
+                T p = exp_clamped(x);
+                if (padrow != nullptr && padrow[j] == neg_inf) p = T(0);
+                const uint32_t h = mix32(row_hash ^ (key_base + static_cast<uint32_t>(j)));
+                const T z = h >= dropout.threshold ? keep_scale : T(0);
+                const T ds = p * (prow[j] * z - dd);
+                srow[j] = p * z;
+                prow[j] = ds;
+                grow[j] += ds;
+              }
+            } else if (pad == nullptr) {
               for (int64_t j = 0; j < jend; ++j) {
                 T x = srow[j] + wrow[j] - l;
                 x = x < floor ? floor : x;
@@ -198,14 +217,18 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 // k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; CPU tensors of one dtype,
 // float32 or float64: dout, q, k, v, out with unit stride along D (other strides read in place), lse and grad_lse any
 // strides, w contiguous. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
-// (when present) instead of at::addmm_out. kpad: None or the key padding as toeplitz_forward takes it.
+// (when present) instead of at::addmm_out. kpad, dropout_p, seed, query_start, key_start: as toeplitz_forward's
+// (out is then the dropped output the forward returned).
 std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                           const c10::optional<at::Tensor>& grad_lse, const at::Tensor& w,
                                           double scale, int64_t delta, bool is_causal, int64_t tile, bool blas,
-                                          const c10::optional<at::Tensor>& kpad) {
+                                          const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
+                                          int64_t query_start, int64_t key_start) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward");
   check_kpad(kpad, q, k, dtype, "toeplitz_backward");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_backward: dropout_p must be in [0, 1)");
+  const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
   check(dout, "grad_out", dtype, 4, Layout::kRows);
   check(out, "out", dtype, 4, Layout::kRows);
   check(lse, "lse", dtype, 3, Layout::kAny);
@@ -223,8 +246,8 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
   at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   at::Tensor dv = at::zeros(v.sizes(), v.options()), grad_w = at::empty_like(w);
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_backward", [&] {
-    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, kpad, scale, delta, is_causal, tile, blas, dq,
-                              dk, dv, grad_w);
+    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, kpad, dropout, scale, delta, is_causal, tile,
+                              blas, dq, dk, dv, grad_w);
   });
   return {dq, dk, dv, grad_w};
 }
@@ -235,10 +258,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("toeplitz_backward", &toeplitz_backward, "toeplitz backward with a bias gradient (dq, dk, dv, grad_w)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("grad_lse"), py::arg("w"), py::arg("scale"), py::arg("delta"), py::arg("is_causal"), py::arg("tile"),
-        py::arg("blas"), py::arg("kpad") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("blas"), py::arg("kpad") = py::none(), py::arg("dropout_p") = 0.0, py::arg("seed") = 0,
+        py::arg("query_start") = 0, py::arg("key_start") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("toeplitz_forward", &toeplitz_forward, "toeplitz forward (out, lse), fused (toeplitz_forward.cpp)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("w"), py::arg("scale"), py::arg("delta"),
         py::arg("is_causal"), py::arg("tile_q"), py::arg("tile_k"), py::arg("blas"), py::arg("kpad") = py::none(),
+        py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("query_start") = 0, py::arg("key_start") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
 #ifdef RELBIAS_SOURCE_DIGEST  // an ahead-of-time build (setup.py): the digest of the sources it was built from

@@ -201,6 +201,50 @@ inline bool all_padded(const T* row, int64_t n) {
   return true;
 }
 
+// Attention dropout with relbias' counter-based mask (relbias._dropout): entry (b, h, i, j) of a call is kept when
+// lowbias32 applied after xoring in, in turn, the seed, b, h, the query's absolute position and the key's is at least
+// threshold = floor(p 2^32); kept probabilities are multiplied by 1 / (1 - p). The same bits as the reference and
+// blockwise backends draw, whatever the tiling.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+struct DropoutMask {
+  bool on = false;
+  uint32_t threshold = 0, seed_hash = 0;
+  int64_t heads = 1, query_start = 0, key_start = 0;
+  double keep_scale = 1.0;
+  DropoutMask(double p, int64_t seed, int64_t query_start_, int64_t key_start_, int64_t H)
+      : on(p > 0.0), heads(H), query_start(query_start_), key_start(key_start_) {
+    if (!on) return;
+    threshold = static_cast<uint32_t>(static_cast<uint64_t>(p * 4294967296.0));
+    seed_hash = mix32(static_cast<uint32_t>(seed));
+    keep_scale = 1.0 / (1.0 - p);
+  }
+  // The hash after b, h and query i (a row of (b, h) = bh): keys then xor in their positions.
+  uint32_t row(int64_t bh, int64_t i) const {
+    uint32_t x = mix32(seed_hash ^ static_cast<uint32_t>(bh / heads));
+    x = mix32(x ^ static_cast<uint32_t>(bh % heads));
+    return mix32(x ^ static_cast<uint32_t>(query_start + i));
+  }
+  uint32_t key_base(int64_t k0) const { return static_cast<uint32_t>(key_start + k0); }
+};
+
+// srow[j] *= (kept ? scale : 0) for the keys k0 + j, j < n, of a row whose hash is row_hash.
+template <typename T>
+inline void apply_dropout(T* __restrict__ srow, int64_t n, uint32_t row_hash, uint32_t key_base, uint32_t threshold,
+                          T scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t x = mix32(row_hash ^ (key_base + static_cast<uint32_t>(j)));
+    srow[j] = x >= threshold ? srow[j] * scale : T(0);
+  }
+}
+
 // The checks of an optional key padding mask kpad against q (B, H, Lq, D) and k (B, H, Lk, D) (fn, for messages).
 inline void check_kpad(const c10::optional<at::Tensor>& kpad, const at::Tensor& q, const at::Tensor& k,
                        at::ScalarType dtype, const char* fn) {
@@ -216,4 +260,5 @@ inline void check_kpad(const c10::optional<at::Tensor>& kpad, const at::Tensor& 
 std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
                                          int64_t tile_q, int64_t tile_k, bool blas,
-                                         const c10::optional<at::Tensor>& kpad);
+                                         const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
+                                         int64_t query_start, int64_t key_start);

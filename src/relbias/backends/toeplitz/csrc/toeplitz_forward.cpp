@@ -17,7 +17,9 @@
 // e^-87 are dropped (0), as float32 flushes them (they are below 2^-126 of the row's largest term, 1). A key padding
 // mask is one more additive row per (b, h), 0 or -inf (x = S + w + pad: a padded key's P is exactly 0), and a key
 // tile whose keys are all padded is skipped (no GEMM). A query that sees no key (causal, every key after it, or
-// every key padded) gets out 0 and lse -inf.
+// every key padded) gets out 0 and lse -inf. Attention dropout (dropout_p > 0) multiplies P by the counter-based
+// mask (toeplitz_common.h, DropoutMask) after l is summed and before P v: l and lse are the undropped ones
+// (FlashAttention-2 with dropout, Dao 2023).
 //
 // Parallel over (batch x head, query tile) tasks, taken from a shared counter by each of torch's threads, the
 // heaviest (a causal call's last query tiles) first: enough tasks for every thread even at B*H = 1, balanced.
@@ -136,8 +138,9 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
 
 template <typename T>
 void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
-                    const c10::optional<at::Tensor>& kpad, double scale_d, int64_t delta, bool is_causal,
-                    int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out, at::Tensor& lse) {
+                    const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout, double scale_d,
+                    int64_t delta, bool is_causal, int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out,
+                    at::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
   const int64_t Hb = w.size(0), M = w.size(1);
@@ -146,6 +149,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const int64_t n_tasks = BH * n_tiles;
   const T scale = static_cast<T>(scale_d);
   const T neg_inf = -std::numeric_limits<T>::infinity();
+  const T keep_scale = static_cast<T>(dropout.keep_scale);
 
   const Rows<T> q_rows(q), k_rows(k), v_rows(v);
   const KeyPadding<T> pad_rows(kpad, H);
@@ -201,6 +205,9 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const T alpha = std::exp(m_old - m_new);  // 0 while m_old is -inf (O and l are still 0)
           row_l[a] = alpha * row_l[a] + sum;
           row_m[a] = m_new;
+          if (dropout.on) {
+            apply_dropout(srow, jend, dropout.row(bh, i), dropout.key_base(k0), dropout.threshold, keep_scale);
+          }
           if (alpha != T(1)) {
             T* __restrict__ orow = ob + a * Dv;
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
@@ -232,12 +239,17 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
 // (B, H, Lq), contiguous, in that dtype. blas: call the exported BLAS directly (when present) instead of
 // at::addmm_out. kpad: None or the key padding mask as an additive (1 or B, 1 or H, Lk) row, 0 or -inf, contiguous.
+// dropout_p in [0, 1): attention dropout with the counter-based mask of seed, the first query's and the first key's
+// absolute positions (0: none).
 std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
                                          int64_t tile_q, int64_t tile_k, bool blas,
-                                         const c10::optional<at::Tensor>& kpad) {
+                                         const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
+                                         int64_t query_start, int64_t key_start) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward");
   check_kpad(kpad, q, k, dtype, "toeplitz_forward");
+  TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_forward: dropout_p must be in [0, 1)");
+  const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   TORCH_CHECK(tile_q > 0 && tile_k > 0, "toeplitz_forward: tiles must be positive");
   tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
@@ -249,7 +261,7 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor lse = at::empty({B, H, Lq}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_forward", [&] {
-    forward_kernel<scalar_t>(q, k, v, w, kpad, scale, delta, is_causal, tile_q, tile_k, blas, out, lse);
+    forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, delta, is_causal, tile_q, tile_k, blas, out, lse);
   });
   return {out, lse};
 }
