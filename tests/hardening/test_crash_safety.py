@@ -50,13 +50,18 @@ def _read(out: Path) -> dict | None:
     return json.loads(text)
 
 
+def _finished(results: dict) -> list[str]:
+    """The schemes results.json holds a finished run of (it lists every scheme of the run, finished or not)."""
+    return [name for name, entry in results["schemes"].items() if entry["runs"]]
+
+
 def _kill_after(proc: subprocess.Popen, out: Path, finished: int, sig: int, timeout: float = 90.0) -> dict:
-    """Poll until results.json holds ``finished`` schemes, then send ``sig``; returns the results read."""
+    """Poll until results.json holds ``finished`` finished schemes, then send ``sig``; returns the results read."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         results = _read(out)
-        if results is not None and len(results["schemes"]) >= finished:
-            assert len(results["schemes"]) == finished, "the child finished more schemes than expected before the kill"
+        if results is not None and len(_finished(results)) >= finished:
+            assert len(_finished(results)) == finished, "the child finished more schemes than expected before the kill"
             proc.send_signal(sig)
             return results
         assert proc.poll() is None, f"the run ended early: {proc.communicate()}"
@@ -68,9 +73,10 @@ def _kill_after(proc: subprocess.Popen, out: Path, finished: int, sig: int, time
 def _check_files(out: Path, expected: list[str]) -> dict:
     """Every results file is complete and parsable and holds exactly the finished schemes, each entry whole."""
     results = _read(out)
-    assert list(results["schemes"]) == expected
-    for entry in results["schemes"].values():
-        assert set(entry["eval"]) == {"8", "16"} and all(0 < e["bpb"] < 9 for e in entry["eval"].values())
+    assert _finished(results) == expected
+    for name in expected:
+        for run in results["schemes"][name]["runs"].values():
+            assert set(run["eval"]) == {"8", "16"} and all(0 < e["bpb"] < 9 for e in run["eval"].values())
     md = (out / "results.md").read_text("utf-8")
     assert "## Bits per byte" in md
     for scheme in expected:  # results.json is replaced last, so the table already shows each of its schemes
@@ -111,7 +117,7 @@ def test_sigkill_then_sigint_then_resume_keep_every_finished_model(corpus, tmp_p
     assert "Traceback" not in stderr
     second = _check_files(out, SCHEMES[:2])["schemes"]
     assert second[SCHEMES[0]] == first[SCHEMES[0]]  # taken from results.json, not retrained
-    assert f"{SCHEMES[0]:>8}  bits per byte" in stdout and "(from results.json)" in stdout
+    assert f"{SCHEMES[0]} seed 0  bits per byte" in stdout and "(from results.json)" in stdout
 
     # 3. --resume to the end: only the last scheme is trained
     proc = _start(corpus, out, "--resume")
@@ -120,5 +126,5 @@ def test_sigkill_then_sigint_then_resume_keep_every_finished_model(corpus, tmp_p
     final = _check_files(out, SCHEMES)["schemes"]
     for scheme in SCHEMES[:2]:
         assert final[scheme] == second[scheme]
-    assert stdout.count("(from results.json)") == 2 and f"{SCHEMES[2]:>8}  bits per byte" in stdout
-    assert "(train " in stdout.split(f"{SCHEMES[2]:>8}  bits per byte")[1].splitlines()[0]
+    assert stdout.count("(from results.json)") == 2 and f"{SCHEMES[2]} seed 0  bits per byte" in stdout
+    assert "(train " in stdout.split(f"{SCHEMES[2]} seed 0  bits per byte")[1].splitlines()[0]
