@@ -6,6 +6,7 @@ from .buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
 from .dispatch import explain_backend
 from .functional import attention, attention_with_weights
 from .positions import Alignment, relative_offsets, resolve_alignment
+from .varlen import attention_varlen
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ __all__ = [
     "TableBias",
     "alibi_slopes",
     "attention",
+    "attention_varlen",
     "attention_with_weights",
     "explain_backend",
     "relative_offsets",

@@ -94,9 +94,10 @@ class _Block(nn.Module):
         hidden = config.mlp_ratio * config.embed_dim
         self.mlp = nn.Sequential(nn.Linear(config.embed_dim, hidden), nn.GELU(), nn.Linear(hidden, config.embed_dim))
 
-    def forward(self, x: torch.Tensor, cache, cache_position: int | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache, cache_position: int | None, cu_seqlens=None) -> torch.Tensor:
         h = self.ln_attn(x)
-        x = x + self.attn(h, h, h, need_weights=False, cache=cache, cache_position=cache_position)[0]
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        x = x + self.attn(h, h, h, need_weights=False, cache=cache, cache_position=cache_position, **packed)[0]
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -189,7 +190,8 @@ class ByteLM(nn.Module):
         ]
 
     def forward(
-        self, tokens: torch.Tensor, *, cache: list | None = None, cache_position: int | None = None
+        self, tokens: torch.Tensor, *, cache: list | None = None, cache_position: int | None = None,
+        cu_seqlens: torch.Tensor | list[int] | None = None,
     ) -> torch.Tensor:
         """Next-byte logits for every position.
 
@@ -199,6 +201,10 @@ class ByteLM(nn.Module):
                 ``cache_position .. cache_position + L - 1``.
             cache_position: absolute position (tokens) of ``tokens[:, 0]``; default the caches' length
                 (append), or 0 without a cache.
+            cu_seqlens: packed training without padding: ``tokens`` (1, T) holds several documents concatenated,
+                ``cu_seqlens`` their N + 1 boundaries (0, ..., T); each byte attends only within its document, at
+                positions restarting from 0 (:func:`relbias.attention_varlen`). The logits of a document's last
+                byte score the next document's first: leave those targets out of the loss.
 
         Returns:
             float32 logits (B, L, 256); entry (b, t) scores the byte after ``tokens[b, t]``.
@@ -221,5 +227,5 @@ class ByteLM(nn.Module):
             cache_position = cache[0].length
         x = self.embed(tokens.long())  # (B, L, E)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if cache is None else cache[i], cache_position)
+            x = block(x, None if cache is None else cache[i], cache_position, cu_seqlens)
         return self.ln_out(x) @ self.embed.weight.T  # (B, L, E) @ (E, 256) -> (B, L, 256)

@@ -217,6 +217,7 @@ class MultiheadAttention(nn.Module):
         *,
         cache: KVCache | StaticKVCache | None = None,
         cache_position: int | None = None,
+        cu_seqlens: torch.Tensor | list[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from ``query`` to ``key``/``value``; torch.nn.MultiheadAttention's signature and return.
 
@@ -255,6 +256,11 @@ class MultiheadAttention(nn.Module):
                 in the target sequence; default ``cache.query_position`` (append), or 0 without a cache.
                 With a cache it must lie in ``[0, cache.query_position]`` (smaller rewinds); without a
                 cache it must be 0 for self-attention and may be any int >= 0 for cross-attention.
+            cu_seqlens: relbias extra, keyword only: packed variable-length sequences. ``query`` holds several
+                sequences concatenated along the length, batch 1 ((1, T, E) with ``batch_first``, (T, 1, E)
+                without, or (T, E)), and ``cu_seqlens`` their N + 1 boundaries (0, ..., T); each token attends only
+                within its sequence, at positions restarting from 0 (:func:`relbias.attention_varlen`).
+                Self-attention only; no masks, cache or ``need_weights``.
 
         Returns:
             ``(output, weights)``: output in the query's layout and dtype, (B, Lq, E) / (Lq, B, E) /
@@ -274,6 +280,9 @@ class MultiheadAttention(nn.Module):
                 of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot evaluate with
                 clipping off).
         """
+        if cu_seqlens is not None:
+            return self._forward_packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
+                                        cache, cache_position, cu_seqlens)
         if self.process_group is not None:
             return self._forward_context_parallel(
                 query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache, cache_position
@@ -324,6 +333,37 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _forward_packed(self, query, key, value, kpm, need_weights, attn_mask, is_causal, cache, cache_position,
+                        cu_seqlens):
+        """forward with ``cu_seqlens``: packed sequences in one row, attention within each."""
+        from ..varlen import attention_varlen
+
+        refused = [name for name, given in (
+            ("cross_attention", self.cross_attention), ("process_group", self.process_group is not None),
+            ("key_padding_mask", kpm is not None), ("attn_mask", attn_mask is not None),
+            ("need_weights=True", need_weights), ("cache", cache is not None or cache_position is not None),
+        ) if given]
+        if refused:
+            raise ValueError(f"cu_seqlens (packed sequences) does not combine with {', '.join(refused)}: packed "
+                             f"self-attention needs no padding mask, and weights, caches and shards are per sequence")
+        if not isinstance(is_causal, bool):
+            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+        q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
+        if q_in.shape[0] != 1:
+            raise ValueError(f"with cu_seqlens the sequences are packed along the length: batch must be 1, got "
+                             f"{q_in.shape[0]}")
+        q_len = q_in.shape[1]
+        k_in, v_in = self._self_key_value(query, key, value, q_len, batched)
+        q, k, v = self._heads(self.q_proj(q_in)), self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))
+        out = attention_varlen(q, k, v, cu_seqlens, bias=self.position_bias, is_causal=self.is_causal or is_causal,
+                               scale=self.scale, convention=self.convention, backend=self.backend)
+        out = self.out_proj(out.transpose(1, 2).reshape(1, q_len, self.embed_dim))
+        if not batched:
+            out = out.squeeze(0)
+        elif not self.batch_first:
+            out = out.transpose(0, 1)
+        return out, None
 
     def _forward_context_parallel(self, query, key, value, kpm, need_weights, attn_mask, is_causal, cache, cache_position):
         """forward under ``process_group``: this rank's shards in, this rank's output shard out."""
