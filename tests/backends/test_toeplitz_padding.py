@@ -90,3 +90,25 @@ def test_other_masks_are_refused_with_the_reason(mask):
     bias, qkv, _ = _case("t5", False, (1, 1))
     with pytest.raises(ValueError, match="not a bool key padding mask"):
         relbias.attention(*qkv, bias=bias, mask=mask, backend="toeplitz")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidi"])
+def test_right_and_left_padding_match_the_reference(side, causal):
+    """Padding at one end only (Hugging Face's right padding; left padding for generation): the kernels then
+    run the unpadded code on the kept keys' range alone."""
+    bias, qkv, _ = _case("t5", causal, (1, 1))
+    keep = torch.ones(B, 1, 1, L, dtype=torch.bool)
+    for b, n in enumerate((L - 40, L - 170)):  # rows padded differently, one of them past a whole tile
+        if side == "right":
+            keep[b, ..., n:] = False
+        else:
+            keep[b, ..., : L - n] = False
+    out, lse, grads = _run("toeplitz", bias, qkv, keep, causal)
+    want_out, want_lse, want_grads = _run("reference", bias, qkv, keep, causal)
+    empty = torch.isneginf(want_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    assert_rounding_close(out, want_out, n=L)
+    assert_rounding_close(lse.masked_fill(empty, 0.0), want_lse.masked_fill(empty, 0.0), n=L)
+    for got, want in zip(grads, want_grads):
+        assert_rounding_close(got, want, n=B * H * L * L)

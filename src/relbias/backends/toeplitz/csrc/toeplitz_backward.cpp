@@ -91,13 +91,20 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
       const T* kb = k_rows(bh);
       const T* vb = v_rows(bh);
       const T* pad = pad_rows(bh);  // nullptr without a key padding mask
+      int64_t kbeg = 0, klast = Lk;  // the kept keys' range; the row itself only where padding lies inside it
+      if (pad != nullptr) {
+        const PadRange range = pad_range(pad, Lk);
+        kbeg = range.first;
+        klast = range.last;
+        if (!range.interior) pad = nullptr;
+      }
       T* dqb = dq_p + bh * Lq * Dk;
       T* dkb = dk_p + bh * Lk * Dk;
       T* dvb = dv_p + bh * Lk * Dv;
       for (int64_t i0 = 0; i0 < Lq; i0 += tile) {
         const int64_t i1 = std::min(Lq, i0 + tile), bq = i1 - i0;
-        const int64_t kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
-        if (kend == 0) continue;
+        const int64_t kend = std::min(klast, is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk);
+        if (kend <= kbeg) continue;
         bool any_row = false;
         for (int64_t a = 0; a < bq; ++a) {  // D_i = dO_i . O_i - grad_lse_i; lse -inf: the row sees no key
           const int64_t i = i0 + a;
@@ -114,7 +121,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
         if (!any_row) continue;
         const T* qt = qb + i0 * q_ld;
         const T* dot_ = dob + i0 * do_ld;
-        for (int64_t k0 = 0; k0 < kend; k0 += tile) {
+        for (int64_t k0 = kbeg; k0 < kend; k0 += tile) {
           const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
           if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // P = 0 for every entry: nothing to add
           const T* kt = kb + k0 * k_ld;

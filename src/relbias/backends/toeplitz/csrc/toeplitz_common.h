@@ -245,6 +245,26 @@ inline void apply_dropout(T* __restrict__ srow, int64_t n, uint32_t row_hash, ui
   }
 }
 
+// The keys a padding row leaves: [first, last) holds every kept key (first = n, last = 0 when none is kept), and
+// interior says whether padded keys lie in between. Without interior padding (right or left padding, the common
+// case) the kernels run the unpadded code on the keys [first, last) alone; with it, they add the row per entry.
+struct PadRange {
+  int64_t first, last;
+  bool interior;
+};
+
+template <typename T>
+inline PadRange pad_range(const T* row, int64_t n) {
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  int64_t first = 0, last = n;
+  while (first < n && row[first] == neg_inf) ++first;
+  while (last > first && row[last - 1] == neg_inf) --last;
+  bool interior = false;
+  for (int64_t j = first; j < last && !interior; ++j) interior = row[j] == neg_inf;
+  if (first == n) last = 0;
+  return {first, last, interior};
+}
+
 // The checks of an optional key padding mask kpad against q (B, H, Lq, D) and k (B, H, Lk, D) (fn, for messages).
 inline void check_kpad(const c10::optional<at::Tensor>& kpad, const at::Tensor& q, const at::Tensor& k,
                        at::ScalarType dtype, const char* fn) {

@@ -182,8 +182,14 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       std::fill(ob, ob + bq * Dv, T(0));
       std::fill(row_m, row_m + bq, neg_inf);
       std::fill(row_l, row_l + bq, T(0));
-      const int64_t kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
-      for (int64_t k0 = 0; k0 < kend; k0 += tile_k) {
+      int64_t kbeg = 0, kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
+      if (pad != nullptr) {  // only the kept keys' range; the row itself only where padding lies inside it
+        const PadRange range = pad_range(pad, Lk);
+        kbeg = range.first;
+        kend = std::min(kend, range.last);
+        if (!range.interior) pad = nullptr;
+      }
+      for (int64_t k0 = kbeg; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
         if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
         gemm<T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, tile_k, blas);
