@@ -10,8 +10,8 @@ over all 4 ranks (the flattened dp x cp mesh) in every configuration; attention 
 Per configuration, the largest over ranks of:
 
 * peak memory: the rank's peak resident set during the timed steps (``VmHWM`` after ``echo 5 >
-  /proc/self/clear_refs``) above its resident set after imports and the process group, before the model and the
-  data exist, MiB, with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave the resident set;
+  /proc/self/clear_refs``) above its resident set after imports (the native kernels' library included) and the
+  process group, before the model and the data exist, MiB, with glibc's mmap threshold fixed at 64 KiB so that freed tensors leave the resident set;
 * step time: wall-clock time of one AdamW step (forward, backward, clipping, update; median of ``--repeats``
   after one warm-up step), and the process CPU time summed over ranks.
 
@@ -68,9 +68,12 @@ def measure_rank(spec: dict) -> dict:
 
     from relbias.experiments import ByteLM
 
+    from relbias.backends.toeplitz import _native
+
     r = _recipe()
     dp, cp = spec["dp"], spec["cp"]
     mesh, fsdp_mesh = r.make_meshes(dp, cp)
+    _native.load_native()  # the fused kernels' library, which every configuration loads, is part of the imports
     baseline = _status_kib("VmRSS") * 1024  # after imports, the process group and the meshes; no model, no data
     config = r.bytelm_config("t5", spec["length"])
     if cp == 1:  # no context parallelism: plain attention on whole sequences
