@@ -42,10 +42,10 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+
+from _ranks import spawn_ranks
 
 MIB = 1024 * 1024
 
@@ -152,26 +152,8 @@ def _child(argv: list[str]) -> None:
 
 def run_spawned(world: int, spec: dict) -> list[dict]:
     """Run one configuration in ``world`` fresh processes; their results, rank order."""
-    with tempfile.TemporaryDirectory() as folder:
-        # a fixed mmap threshold: glibc then maps every allocation of 64 KiB or more on its own and unmaps it when freed,
-        # so the peak resident set follows the live tensors (with its default, rising threshold, freed blocks stay in
-        # the heap and the same code measured 73 and 112 MiB on two runs)
-        env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), GLOO_SOCKET_IFNAME="lo",
-                   MALLOC_MMAP_THRESHOLD_="65536")
-        outs = [os.path.join(folder, f"rank{r}.json") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(r), str(world), os.path.join(folder, "rdzv"),
-                                   outs[r], json.dumps(spec)], env=env) for r in range(world)]
-        try:
-            for p in procs:
-                p.wait(timeout=spec["timeout_s"] * 4)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a rank failed at P={world}, L={spec['length']} (return codes {[p.returncode for p in procs]})")
-        return [json.load(open(o)) for o in outs]
+    return spawn_ranks(__file__, world, spec, threads=spec["threads"], timeout_s=spec["timeout_s"] * 4,
+                       what=f"P={world}, L={spec['length']}")
 
 
 def summarise(world: int, length: int, ranks: list[dict], single: bool = False) -> dict:

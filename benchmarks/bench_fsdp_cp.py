@@ -37,11 +37,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from _ranks import spawn_ranks
 
 MIB = 1024 * 1024
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_context_parallel.py"
@@ -127,24 +127,8 @@ def _child(argv: list[str]) -> None:
 
 def run_spawned(spec: dict) -> list[dict]:
     """One configuration in 4 fresh processes; their results, in rank order."""
-    world = spec["dp"] * spec["cp"]
-    with tempfile.TemporaryDirectory() as folder:
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", MALLOC_MMAP_THRESHOLD_="65536")
-        outs = [os.path.join(folder, f"rank{r}.json") for r in range(world)]
-        procs = [subprocess.Popen([sys.executable, __file__, "--child", str(r), str(world), os.path.join(folder, "rdzv"),
-                                   outs[r], json.dumps(spec)], env=env) for r in range(world)]
-        try:
-            for p in procs:
-                p.wait(timeout=spec["timeout_s"] * 4)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if any(p.returncode for p in procs):
-            raise RuntimeError(f"a rank failed at dp={spec['dp']}, cp={spec['cp']} (return codes "
-                               f"{[p.returncode for p in procs]})")
-        return [json.load(open(o)) for o in outs]
+    return spawn_ranks(__file__, spec["dp"] * spec["cp"], spec, threads=1, timeout_s=spec["timeout_s"] * 4,
+                       what=f"dp={spec['dp']}, cp={spec['cp']}")
 
 
 def main() -> None:

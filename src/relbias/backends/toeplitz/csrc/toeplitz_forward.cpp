@@ -48,10 +48,11 @@ using namespace relbias_toeplitz;
 // (deterministic; vectorised without -ffast-math). Written as `#pragma omp simd reduction` loops inside the task
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
-// srow[j] += wrow[j] for j < n; returns the largest (-inf for n = 0; NaN if any is: a NaN query stays NaN). In
-// GCC vector extensions (also Clang's): as a lane loop like exp_sum's, GCC kept the max scalar (unrolled vmaxss).
-template <typename T>
-T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, int64_t n) {
+// srow[j] += wrow[j] (Padded: + prow[j], the key padding row, 0 or -inf) for j < n; returns the largest (-inf for
+// n = 0; NaN if any is: a NaN query stays NaN). In GCC vector extensions (also Clang's): as a lane loop like
+// exp_sum's, GCC kept the max scalar (unrolled vmaxss).
+template <bool Padded, typename T>
+T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n) {
   constexpr int kLanes = 64 / sizeof(T);
   typedef T Vec __attribute__((vector_size(64)));
   const T neg_inf = -std::numeric_limits<T>::infinity();
@@ -62,41 +63,18 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, int64_t n) {
     Vec x, b;
     std::memcpy(&x, srow + j, sizeof(Vec));
     std::memcpy(&b, wrow + j, sizeof(Vec));
+    if constexpr (Padded) {
+      Vec c;
+      std::memcpy(&c, prow + j, sizeof(Vec));
+      b += c;
+    }
     x += b;
     std::memcpy(srow + j, &x, sizeof(Vec));
     part = (x > part) | (x != x) ? x : part;
   }
   T mx = neg_inf;
   for (; j < n; ++j) {
-    const T x = srow[j] + wrow[j];
-    srow[j] = x;
-    mx = x > mx || x != x ? x : mx;
-  }
-  for (int l = 0; l < kLanes; ++l) mx = part[l] > mx || part[l] != part[l] ? part[l] : mx;
-  return mx;
-}
-
-// add_bias_max with a second additive row: srow[j] += wrow[j] + prow[j] (the key padding, 0 or -inf).
-template <typename T>
-T add_bias_pad_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n) {
-  constexpr int kLanes = 64 / sizeof(T);
-  typedef T Vec __attribute__((vector_size(64)));
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  Vec part;
-  for (int l = 0; l < kLanes; ++l) part[l] = neg_inf;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    Vec x, b, c;
-    std::memcpy(&x, srow + j, sizeof(Vec));
-    std::memcpy(&b, wrow + j, sizeof(Vec));
-    std::memcpy(&c, prow + j, sizeof(Vec));
-    x += b + c;
-    std::memcpy(srow + j, &x, sizeof(Vec));
-    part = (x > part) | (x != x) ? x : part;
-  }
-  T mx = neg_inf;
-  for (; j < n; ++j) {
-    const T x = srow[j] + (wrow[j] + prow[j]);
+    const T x = srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]);
     srow[j] = x;
     mx = x > mx || x != x ? x : mx;
   }
@@ -199,7 +177,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           int64_t jend = bk;  // keys k0 + j, j < jend, are visible to query i
           if (is_causal) jend = std::min(bk, std::max<int64_t>(0, i + delta + 1 - k0));
           const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
-          const T mx = pad == nullptr ? add_bias_max(srow, wrow, jend) : add_bias_pad_max(srow, wrow, pad + k0, jend);
+          const T mx = pad == nullptr ? add_bias_max<false>(srow, wrow, static_cast<const T*>(nullptr), jend)
+                                      : add_bias_max<true>(srow, wrow, pad + k0, jend);
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (jend == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
