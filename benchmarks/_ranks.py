@@ -1,9 +1,10 @@
-"""Starting a benchmark's ranks: ``world`` fresh processes of the benchmark script itself (``--child RANK WORLD
+"""Starting a benchmark's ranks and running one: ``world`` fresh processes of the benchmark script itself (``--child RANK WORLD
 INIT_FILE OUT SPEC_JSON``) meeting through a ``file://`` rendezvous in a temporary folder, each writing its figures
 to a JSON file (not a benchmark; the distributed benchmarks share it)."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -39,3 +40,22 @@ def spawn_ranks(script: str, world: int, spec: dict, *, threads: int, timeout_s:
             with open(out) as handle:
                 results.append(json.load(handle))
         return results
+
+
+def run_child(argv: list[str], measure, *, threads: int) -> None:
+    """One spawned rank (``argv`` = RANK WORLD INIT_FILE OUT SPEC_JSON): ``threads`` torch threads, a gloo group through
+    the ``file://`` rendezvous with ``spec["timeout_s"]`` on every collective, ``measure(spec)``'s figures written to
+    OUT; the group is destroyed however it ends."""
+    rank, world, init_file, out, spec = int(argv[0]), int(argv[1]), argv[2], argv[3], json.loads(argv[4])
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
+    try:
+        result = measure(spec)
+        with open(out, "w") as handle:
+            json.dump(result, handle)
+    finally:
+        dist.destroy_process_group()

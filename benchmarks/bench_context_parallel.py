@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 
-from _ranks import spawn_ranks
+from _ranks import run_child, spawn_ranks
 
 MIB = 1024 * 1024
 
@@ -133,22 +133,6 @@ def measure_rank(spec: dict) -> dict:
     }
 
 
-def _child(argv: list[str]) -> None:
-    """``--child RANK WORLD INIT_FILE OUT SPEC_JSON``: one spawned rank."""
-    rank, world, init_file, out, spec = int(argv[0]), int(argv[1]), argv[2], argv[3], json.loads(argv[4])
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(spec["threads"])
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
-    try:
-        result = measure_rank(spec)
-        with open(out, "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
 
 def run_spawned(world: int, spec: dict) -> list[dict]:
     """Run one configuration in ``world`` fresh processes; their results, rank order."""
@@ -182,7 +166,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2:])
+        run_child(sys.argv[2:], measure_rank, threads=json.loads(sys.argv[6])["threads"])
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])

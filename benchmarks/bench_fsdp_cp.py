@@ -31,9 +31,7 @@ rendezvous in a temporary folder: gloo on CPU, loopback only, one torch thread e
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.util
-import json
 import os
 import re
 import statistics
@@ -41,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from _ranks import spawn_ranks
+from _ranks import run_child, spawn_ranks
 
 MIB = 1024 * 1024
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fsdp_context_parallel.py"
@@ -108,22 +106,6 @@ def measure_rank(spec: dict) -> dict:
             "cpu_ms": statistics.median(cpus)}
 
 
-def _child(argv: list[str]) -> None:
-    """``--child RANK WORLD INIT_FILE OUT SPEC_JSON``: one spawned rank."""
-    rank, world, init_file, out, spec = int(argv[0]), int(argv[1]), argv[2], argv[3], json.loads(argv[4])
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=spec["timeout_s"]))
-    try:
-        result = measure_rank(spec)
-        with open(out, "w") as f:
-            json.dump(result, f)
-    finally:
-        dist.destroy_process_group()
-
 
 def run_spawned(spec: dict) -> list[dict]:
     """One configuration in 4 fresh processes; their results, in rank order."""
@@ -133,7 +115,7 @@ def run_spawned(spec: dict) -> list[dict]:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        _child(sys.argv[2:])
+        run_child(sys.argv[2:], measure_rank, threads=1)
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=16384, help="tokens per sequence (divisible by 8)")
