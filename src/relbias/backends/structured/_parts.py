@@ -9,8 +9,9 @@ import torch
 
 from ...positions import Alignment
 from .._shared.cpu_flash import fused_backward, fused_forward
+from .._shared.masks import additive_mask
 
-__all__ = ["HEAD_GROUP", "additive_mask", "empty_rows", "far_parts", "merge_part", "part_backward", "run_part"]
+__all__ = ["HEAD_GROUP", "empty_rows", "far_parts", "merge_part", "part_backward", "run_part"]
 
 _NEG_INF = float("-inf")
 
@@ -72,13 +73,6 @@ def empty_rows(keep: torch.Tensor, mode: str, rows: int) -> torch.Tensor:
         return ~keep.any(dim=-1, keepdim=True)
     seen = keep.flip(-1).cumsum(-1).flip(-1) if mode == "upper" else keep.cumsum(-1)  # square parts: rows == keys
     return seen[..., :rows] == 0
-
-
-def additive_mask(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The fused kernel's attn_mask for a (Bm, Hm, keys) key mask: (Bm, Hm, 1, keys), 0 / -inf, in ``dtype``."""
-    if keep is None:
-        return None
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)[:, :, None]
 
 
 def _heads(mask: torch.Tensor | None, heads: slice) -> torch.Tensor | None:

@@ -47,7 +47,8 @@ from ...biases.base import RelativeBias
 from ...call import AttentionCall
 from .._shared.cpu_flash import cpu_flash_reasons
 from .._shared.reasons import non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
-from ._kernel import additive_key_padding, part_backward, toeplitz_apply
+from .._shared.masks import additive_mask
+from ._kernel import part_backward, toeplitz_apply
 from ._native import native_unavailable_reason
 from ..base import Backend
 
@@ -135,7 +136,7 @@ def toeplitz_attention(
     """
     native = call.native_bias()
     query, key, value = _compute_inputs(call)
-    padding = additive_key_padding(call.key_padding, query.dtype)
+    padding = _key_padding(call, query.dtype)
     out, lse = toeplitz_apply(query, key, value, native.values, _plan(call, block_q, tile), padding)
     return out.to(call.query.dtype), lse
 
@@ -155,7 +156,7 @@ def toeplitz_part_backward(
     with torch.enable_grad():
         values = call.native_bias().values
     query, key, value = (t.detach() for t in _compute_inputs(call))
-    padding = additive_key_padding(call.key_padding, query.dtype)
+    padding = _key_padding(call, query.dtype)
     dq, dk, dv, dvalues = part_backward(grad_out, query, key, value, values, out, lse, _plan(call, None, None),
                                         padding)
     return dq, dk, dv, values, dvalues
@@ -168,6 +169,12 @@ def _compute_inputs(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, to
     if query.dtype in (torch.float16, torch.bfloat16):
         query, key, value = query.float(), key.float(), value.float()
     return query, key, value
+
+
+def _key_padding(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor | None:
+    """The kernels' padding row (Bm, Hm, Lk) for a call with a key padding mask, 0 / -inf in ``dtype``; else None."""
+    mask = additive_mask(call.key_padding, dtype)
+    return None if mask is None else mask[:, :, 0]
 
 
 def _plan(call: AttentionCall, block_q: int | None, tile: int | None) -> dict:

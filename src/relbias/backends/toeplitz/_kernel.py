@@ -17,7 +17,7 @@ from .._shared.denormals import flush_denormals
 from ._view import block_mask, future_offsets, key_end, reversed_bias
 from .._shared.dtypes import compute_dtype
 
-__all__ = ["additive_key_padding", "part_backward", "toeplitz_apply"]
+__all__ = ["part_backward", "toeplitz_apply"]
 
 _NEG_INF = float("-inf")
 
@@ -29,7 +29,7 @@ def _forward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
     ``key_padding``: None or the key padding mask as an additive (Bm, Hm, Lk) row in the dtype of ``query``, 0 or
-    -inf (:func:`additive_key_padding`). ``dropout_p`` > 0: attention dropout with the counter-based mask of
+    -inf (:func:`relbias.backends._shared.masks.additive_mask` without its query dimension). ``dropout_p`` > 0: attention dropout with the counter-based mask of
     ``seed`` at the absolute positions ``query_start``, ``key_start`` (:class:`relbias._dropout.Dropout`; the native
     kernels only: the caller sees to it). ``tile`` is the backward's (kept with the forward's settings). The fused C++
     forward (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
@@ -72,14 +72,6 @@ def _forward_impl(
             out.masked_fill_(empty[..., None], 0.0)
             lse.masked_fill_(empty, _NEG_INF)
         return out, lse
-
-
-def additive_key_padding(keep: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    """The kernels' key padding for a (Bm, Hm, Lk) bool ``keep`` (True = may attend; ``AttentionCall.key_padding``):
-    (Bm, Hm, Lk) contiguous in ``dtype``, 0 where kept and -inf where padded; None for None."""
-    if keep is None:
-        return None
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, _NEG_INF)
 
 
 def _padded(mask: torch.Tensor, key_padding: torch.Tensor | None, end: int) -> torch.Tensor:

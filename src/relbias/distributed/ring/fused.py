@@ -16,7 +16,8 @@ from ...backends import toeplitz
 from ...backends.toeplitz import _native as _toeplitz_native
 from ...backends._shared.autograd import first_order
 from ...backends._shared.cpu_flash import fused_available, fused_backward
-from ...backends.structured._parts import additive_mask, empty_rows, part_backward, run_part
+from ...backends._shared.masks import additive_mask
+from ...backends.structured._parts import empty_rows, part_backward, run_part
 from ...functional import attention
 from ..merge import DOUBLE_BACKWARD_HINT
 
