@@ -34,9 +34,9 @@ row per (batch, head) in both kernels (0 or -inf: a padded key's weight is exact
 padding are skipped; a query whose keys are all padded gets out 0 and lse -inf.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask or a bool key padding mask,
-no dropout unless the native kernels run, CPU, equal query and value head_dim, int positions (not the tensor positions of a compiled static
-cache). float16 and
-bfloat16 inputs run in float32 (a half-precision mask would round the bias).
+no dropout unless the native kernels run, CPU, equal query and value head_dim, int positions (not the tensor
+positions of a compiled static cache). float16 and bfloat16 inputs run in float32 (a half-precision mask would
+round the bias).
 """
 
 from __future__ import annotations
