@@ -112,3 +112,27 @@ def test_right_and_left_padding_match_the_reference(side, causal):
     assert_rounding_close(lse.masked_fill(empty, 0.0), want_lse.masked_fill(empty, 0.0), n=L)
     for got, want in zip(grads, want_grads):
         assert_rounding_close(got, want, n=B * H * L * L)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "pytorch"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidi"])
+def test_a_row_padded_throughout_sees_nothing_when_the_queries_follow_the_keys(causal, native, monkeypatch):
+    """Queries placed after every key (query_start >= key_len: a ring block of earlier keys, a cached prefix) and a
+    batch row whose keys are all padded: that row's queries get out 0 and lse -inf however far past the keys they
+    sit, so that merging by log-sum-exp gives the block no weight."""
+    if not native:
+        monkeypatch.setenv("RELBIAS_NATIVE", "0")
+    gen = torch.Generator().manual_seed(3)
+    bias = make_bias("t5", num_heads=H, bidirectional=not causal, max_len=64).double()
+    q = torch.randn(B, H, 8, D, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(B, H, 4, D, generator=gen, dtype=torch.float64) for _ in range(2))
+    keep = torch.ones(B, 1, 1, 4, dtype=torch.bool)
+    keep[1] = False
+    call = dict(bias=bias, mask=keep, is_causal=causal, query_start=40, key_start=0, return_lse=True)
+    out, lse = relbias.attention(q, k, v, backend="toeplitz", **call)
+    want_out, want_lse = relbias.attention(q, k, v, backend="reference", **call)
+    assert torch.equal(lse[1], torch.full_like(lse[1], float("-inf")))
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    assert_rounding_close(out, want_out, n=4)
+    assert_rounding_close(lse[0], want_lse[0], n=4)

@@ -82,11 +82,12 @@ def _padded(mask: torch.Tensor, key_padding: torch.Tensor | None, end: int) -> t
 def _padded_rows(key_padding: torch.Tensor, query_len: int, delta: int, is_causal: bool) -> torch.Tensor:
     """(Bm, Hm, Lq) bool: the queries every visible key of which is padded (causal: keys s <= t + delta)."""
     keep = ~torch.isneginf(key_padding)  # (Bm, Hm, Lk)
+    none_kept = ~keep.any(-1, keepdim=True)  # (Bm, Hm, 1): every query of such a row is empty, whatever delta
     if not is_causal:
-        return (~keep.any(-1, keepdim=True)).expand(*keep.shape[:2], query_len)
-    first = torch.where(keep.any(-1), keep.int().argmax(-1), keep.shape[-1])  # the first kept key, Lk if none
+        return none_kept.expand(*keep.shape[:2], query_len)
+    first = keep.int().argmax(-1, keepdim=True)  # the first kept key (0 where none is)
     rows = torch.arange(query_len, device=key_padding.device)
-    return rows + delta < first[..., None]
+    return (rows + delta < first) | none_kept
 
 
 toeplitz_forward = torch.library.custom_op("relbias::toeplitz_forward", _forward_impl, mutates_args=())
