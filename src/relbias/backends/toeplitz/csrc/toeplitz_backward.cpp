@@ -46,6 +46,36 @@ using namespace relbias_toeplitz;
 // the five GEMMs). kSpread rows apart, those stores have retired.
 constexpr int64_t kSpread = 8;
 
+// One query row's pass over its visible keys j < n: P = exp(S + w - lse), the exponent clamped to [floor, ceiling]
+// (Padded: times keep[j], 1 for a key the row may see and 0 for a padded one, so P is exactly 0 there); Dropout: the
+// mask Z regenerated (keep_scale where the key's hash is at least threshold, else 0). Then srow[j] = P Z,
+// prow[j] = dS = P (dP Z - D) and grow[j] += dS. Branch-free in j so that GCC vectorises it: a test of the padding
+// row or a choice between two loads inside the loop left it scalar, and the pass as long as two of the GEMMs.
+template <bool Padded, bool Dropout, typename T>
+inline void probs_and_grads(T* __restrict__ srow, T* __restrict__ prow, T* __restrict__ grow,
+                            const T* __restrict__ wrow, const T* __restrict__ keep, int64_t n, T l, T dd, T floor,
+                            T ceiling, uint32_t row_hash, uint32_t key_base, uint32_t threshold, T keep_scale) {
+  for (int64_t j = 0; j < n; ++j) {
+    T x = srow[j] + wrow[j] - l;
+    x = x < floor ? floor : x;
+    x = x > ceiling ? ceiling : x;
+    T p = exp_clamped(x);
+    if constexpr (Padded) p = p * keep[j];
+    T dp = prow[j];
+    if constexpr (Dropout) {
+      const uint32_t h = mix32(row_hash ^ (key_base + static_cast<uint32_t>(j)));
+      const T z = h >= threshold ? keep_scale : T(0);
+      dp = dp * z;
+      srow[j] = p * z;
+    } else {
+      srow[j] = p;
+    }
+    const T ds = p * (dp - dd);
+    prow[j] = ds;
+    grow[j] += ds;
+  }
+}
+
 template <typename T>
 void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
@@ -78,6 +108,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile), acc_buf(kSpread * M);
+    std::vector<T> keep_buf(kpad.has_value() ? Lk : 0);  // a padding row with padding inside its kept range: 1 or 0
     T* S = s_buf.data();   // scores, then P
     T* dP = dp_buf.data(); // dO v^T, then dS
     T* acc = acc_buf.data();  // kSpread bias-gradient rows: query i adds into row i % kSpread
@@ -92,11 +123,17 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
       const T* vb = v_rows(bh);
       const T* pad = pad_rows(bh);  // nullptr without a key padding mask
       int64_t kbeg = 0, klast = Lk;  // the kept keys' range; the row itself only where padding lies inside it
+      const T* keep = nullptr;  // 1 for a kept key, 0 for a padded one, where padding lies inside that range
       if (pad != nullptr) {
         const PadRange range = pad_range(pad, Lk);
         kbeg = range.first;
         klast = range.last;
-        if (!range.interior) pad = nullptr;
+        if (!range.interior) {
+          pad = nullptr;
+        } else {
+          for (int64_t j = 0; j < Lk; ++j) keep_buf[j] = pad[j] == neg_inf ? T(0) : T(1);
+          keep = keep_buf.data();
+        }
       }
       T* dqb = dq_p + bh * Lq * Dk;
       T* dkb = dk_p + bh * Lk * Dk;
@@ -141,45 +178,22 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
             const T l = row_lse[a], dd = row_d[a];
             const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
             T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0);
-            if (dropout.on) {  // P, the mask Z regenerated, then as below with dP Z and P Z
-              const T* __restrict__ padrow = pad == nullptr ? nullptr : pad + k0;
-              const uint32_t row_hash = dropout.row(bh, i), key_base = dropout.key_base(k0);
-              for (int64_t j = 0; j < jend; ++j) {
-                T x = srow[j] + (padrow == nullptr ? wrow[j] : wrow[j] + padrow[j]) - l;
-                x = x < floor ? floor : x;
-                x = x > ceiling ? ceiling : x;
-                T p = exp_clamped(x);
-                if (padrow != nullptr && padrow[j] == neg_inf) p = T(0);
-                const uint32_t h = mix32(row_hash ^ (key_base + static_cast<uint32_t>(j)));
-                const T z = h >= dropout.threshold ? keep_scale : T(0);
-                const T ds = p * (prow[j] * z - dd);
-                srow[j] = p * z;
-                prow[j] = ds;
-                grow[j] += ds;
+            const T* keep_row = keep == nullptr ? nullptr : keep + k0;
+            const uint32_t row_hash = dropout.on ? dropout.row(bh, i) : 0u, key_base = dropout.key_base(k0);
+            if (dropout.on) {
+              if (keep_row != nullptr) {
+                probs_and_grads<true, true>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash,
+                                            key_base, dropout.threshold, keep_scale);
+              } else {
+                probs_and_grads<false, true>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling,
+                                             row_hash, key_base, dropout.threshold, keep_scale);
               }
-            } else if (pad == nullptr) {
-              for (int64_t j = 0; j < jend; ++j) {
-                T x = srow[j] + wrow[j] - l;
-                x = x < floor ? floor : x;
-                x = x > ceiling ? ceiling : x;
-                const T p = exp_clamped(x);
-                const T ds = p * (prow[j] - dd);
-                srow[j] = p;
-                prow[j] = ds;
-                grow[j] += ds;
-              }
+            } else if (keep_row != nullptr) {
+              probs_and_grads<true, false>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash,
+                                           key_base, dropout.threshold, keep_scale);
             } else {
-              const T* __restrict__ padrow = pad + k0;
-              for (int64_t j = 0; j < jend; ++j) {  // as above, and P = 0 exactly where the key is padded
-                T x = srow[j] + (wrow[j] + padrow[j]) - l;
-                x = x < floor ? floor : x;
-                x = x > ceiling ? ceiling : x;
-                const T p = exp_clamped(x) * (padrow[j] == neg_inf ? T(0) : T(1));
-                const T ds = p * (prow[j] - dd);
-                srow[j] = p;
-                prow[j] = ds;
-                grow[j] += ds;
-              }
+              probs_and_grads<false, false>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash,
+                                            key_base, dropout.threshold, keep_scale);
             }
             for (int64_t j = jend; j < bk; ++j) {
               srow[j] = T(0);
