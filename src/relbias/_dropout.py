@@ -20,18 +20,27 @@ __all__ = ["Dropout"]
 _M32 = 0xFFFFFFFF
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32), by 16-bit halves of ``c`` (no int64 overflow)."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _int32(c: int) -> int:
+    """The int32 whose two's-complement bits are those of ``c mod 2**32``."""
+    c &= _M32
+    return c - 2**32 if c >= 2**31 else c
 
 
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 on int64 tensors holding values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+def _mix_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32, in place, on an int32 tensor whose bits are the uint32 values: multiplication wraps modulo 2**32
+    as uint32's does, and a logical right shift is the arithmetic one with the sign bits masked off. Returns x."""
+    shifted = torch.empty_like(x)  # one scratch tensor for the three shifts
+
+    def xorshift(bits: int) -> None:  # x ^= x >> bits, logical
+        torch.bitwise_right_shift(x, bits, out=shifted)
+        x.bitwise_xor_(shifted.bitwise_and_((1 << (32 - bits)) - 1))
+
+    xorshift(16)
+    x.mul_(_int32(0x7FEB352D))
+    xorshift(15)
+    x.mul_(_int32(0x846CA68B))
+    xorshift(16)
+    return x
 
 
 @dataclass(frozen=True)
@@ -53,16 +62,18 @@ class Dropout:
     def scale_tile(self, batch: int, heads: int, t0: int, t1: int, s0: int, s1: int, device, dtype) -> torch.Tensor:
         """(B, H, t1 - t0, s1 - s0) factors for queries t0:t1 and keys s0:s1 of the call: 0 where dropped,
         ``1 / (1 - p)`` where kept, in ``dtype``."""
-        def coordinate(values: torch.Tensor, dim: int) -> torch.Tensor:
+        def coordinate(start: int, n: int, dim: int) -> torch.Tensor:  # positions start .. start + n - 1, int32 bits
             shape = [1, 1, 1, 1]
-            shape[dim] = values.numel()
-            return (values & _M32).reshape(shape)
+            shape[dim] = n
+            values = (torch.arange(n, device=device) + start + 2**31) % 2**32 - 2**31  # int64, into int32's range
+            return values.to(torch.int32).reshape(shape)
 
-        index = lambda n: torch.arange(n, device=device)  # noqa: E731
-        h = _mix(torch.full((1, 1, 1, 1), self.seed & _M32, device=device, dtype=torch.int64))
-        h = _mix(h ^ coordinate(index(batch), 0))
-        h = _mix(h ^ coordinate(index(heads), 1))
-        h = _mix(h ^ coordinate(index(t1 - t0) + (self.query_start + t0), 2))
-        h = _mix(h ^ coordinate(index(s1 - s0) + (self.key_start + s0), 3))
-        keep = h >= int(self.p * 2**32)
-        return keep.to(dtype) * (1.0 / (1.0 - self.p))
+        h = _mix_(torch.full((1, 1, 1, 1), _int32(self.seed), device=device, dtype=torch.int32))
+        h = _mix_(h ^ coordinate(0, batch, 0))
+        h = _mix_(h ^ coordinate(0, heads, 1))
+        h = _mix_(h ^ coordinate(self.query_start + t0, t1 - t0, 2))
+        h = _mix_(h ^ coordinate(self.key_start + s0, s1 - s0, 3))  # (B, H, t1 - t0, s1 - s0)
+        # kept: hash >= threshold as uint32, i.e. as int32 once both have their top bit flipped
+        keep = (h ^ _int32(2**31)) >= _int32(int(self.p * 2**32) ^ 2**31)
+        scale = torch.tensor(1.0 / (1.0 - self.p), dtype=dtype, device=device)
+        return torch.where(keep, scale, torch.zeros((), dtype=dtype, device=device))

@@ -48,6 +48,36 @@ def test_the_mask_is_bit_identical_whatever_the_tiling_and_keyed_by_absolute_pos
     assert not torch.equal(other_seed, whole)
 
 
+def _lowbias32(x: int) -> int:
+    """lowbias32 on a Python int (exact, no fixed-width arithmetic): the independent check of the tensor code."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2**32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2**32
+    return x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("p, seed, query_start, key_start", [
+    (0.1, 0, 0, 0), (0.3, 12345, 5, 2), (0.5, 2**31 - 1, 2**31 - 3, 2**31 + 1), (0.9, 7, 2**32 + 9, 11),
+])
+def test_the_mask_is_lowbias32_of_the_coordinates(p, seed, query_start, key_start):
+    """Each factor is decided by the hash of (seed, b, h, absolute query, absolute key) computed with Python's exact
+    integers: kept (1 / (1 - p)) where it is at least floor(p 2^32), else 0; positions past 2^31 wrap as uint32."""
+    drop = Dropout(p, seed, query_start=query_start, key_start=key_start)
+    got = drop.scale_tile(2, 3, 4, 9, 1, 8, "cpu", torch.float64)
+    threshold = int(p * 2**32)
+    want = torch.zeros(2, 3, 5, 7, dtype=torch.float64)
+    for b in range(2):
+        for h in range(3):
+            for i in range(5):
+                for j in range(7):
+                    x = _lowbias32(seed % 2**32)
+                    for coordinate in (b, h, query_start + 4 + i, key_start + 1 + j):
+                        x = _lowbias32(x ^ (coordinate % 2**32))
+                    want[b, h, i, j] = 1 / (1 - p) if x >= threshold else 0.0
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_reference_and_blockwise_drop_the_same_entries_outputs_and_gradients(is_causal, small_tiles):
     q, k, v, bias = _inputs()
