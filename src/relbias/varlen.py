@@ -77,14 +77,17 @@ def attention_varlen(
         raise TypeError(f"attention_varlen takes a RelativeBias module or None as bias, got {type(bias).__name__}")
     outs, lses = [], []
     kwargs = dict(bias=bias, is_causal=is_causal, scale=scale, convention=convention, backend=backend,
-                  dropout_p=dropout_p, generator=generator, return_lse=True)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
+                  dropout_p=dropout_p, generator=generator, return_lse=return_lse)
+    # One split per tensor (its backward concatenates the pieces' gradients once; a slice per sequence would add a
+    # zero-filled (1, H, T, D) gradient per sequence)
+    sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+    for q, k, v in zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2)):
+        if q.shape[2] == 0:
             continue
-        piece = slice(start, end)
-        out, lse = attention(query[:, :, piece], key[:, :, piece], value[:, :, piece], **kwargs)
-        outs.append(out)
-        lses.append(lse)
+        got = attention(q, k, v, **kwargs)
+        outs.append(got[0] if return_lse else got)
+        if return_lse:
+            lses.append(got[1])
     h, dv = query.shape[1], value.shape[-1]
     out = torch.cat(outs, dim=2) if outs else query.new_zeros(1, h, 0, dv)
     if not return_lse:
