@@ -40,28 +40,14 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
 
+from _proc import reset_peak, status_kib
 from _ranks import run_child, spawn_ranks
 
 MIB = 1024 * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", handle.read(), re.M).group(1))
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def measure_rank(spec: dict) -> dict:
@@ -73,7 +59,7 @@ def measure_rank(spec: dict) -> dict:
     from relbias.distributed import RingStats, context_parallel_attention
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    baseline = _status_kib("VmRSS") * 1024  # after imports and the process group, before any input exists
+    baseline = status_kib("VmRSS") * 1024  # after imports and the process group, before any input exists
     device = torch.device(f"cuda:{torch.cuda.current_device()}") if spec["backend"] == "nccl" else torch.device("cpu")
     b, h, d, length = spec["batch"], spec["heads"], spec["head_dim"], spec["length"]
     gen = torch.Generator().manual_seed(0)
@@ -113,7 +99,7 @@ def measure_rank(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats()
         before = 0  # allocated memory counts tensors only: inputs included
     else:
-        peak_ok = _reset_peak()
+        peak_ok = reset_peak()
         before = baseline
     walls, cpus = [], []
     for _ in range(spec["repeats"]):
@@ -126,7 +112,7 @@ def measure_rank(spec: dict) -> dict:
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated() - before
     else:
-        peak = _status_kib("VmHWM") * 1024 - before if peak_ok else float("nan")
+        peak = status_kib("VmHWM") * 1024 - before if peak_ok else float("nan")
     return {
         "rank": rank, "peak_mib": peak / MIB, "wall_ms": statistics.median(walls), "cpu_ms": statistics.median(cpus),
         "blocks": stats.blocks, "skipped": stats.skipped, "bias_free": stats.bias_free,

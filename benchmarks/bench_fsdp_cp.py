@@ -33,12 +33,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from _proc import reset_peak, status_kib
 from _ranks import run_child, spawn_ranks
 
 MIB = 1024 * 1024
@@ -51,11 +51,6 @@ def _recipe():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", handle.read(), re.M).group(1))
 
 
 def measure_rank(spec: dict) -> dict:
@@ -72,7 +67,7 @@ def measure_rank(spec: dict) -> dict:
     dp, cp = spec["dp"], spec["cp"]
     mesh, fsdp_mesh = r.make_meshes(dp, cp)
     _native.load_native()  # the fused kernels' library, which every configuration loads, is part of the imports
-    baseline = _status_kib("VmRSS") * 1024  # after imports, the process group and the meshes; no model, no data
+    baseline = status_kib("VmRSS") * 1024  # after imports, the process group and the meshes; no model, no data
     config = r.bytelm_config("t5", spec["length"])
     if cp == 1:  # no context parallelism: plain attention on whole sequences
         torch.manual_seed(0)
@@ -92,8 +87,7 @@ def measure_rank(spec: dict) -> dict:
     dist.barrier()
     step(batches[0])  # warm-up: optimizer state, kernels built
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
+    reset_peak()
     walls, cpus = [], []
     for batch in batches[1:]:
         dist.barrier()
@@ -101,7 +95,7 @@ def measure_rank(spec: dict) -> dict:
         step(batch)
         walls.append((time.perf_counter() - w0) * 1e3)
         cpus.append((time.process_time() - c0) * 1e3)
-    peak = _status_kib("VmHWM") * 1024 - baseline
+    peak = status_kib("VmHWM") * 1024 - baseline
     return {"rank": dist.get_rank(), "peak_mib": peak / MIB, "wall_ms": statistics.median(walls),
             "cpu_ms": statistics.median(cpus)}
 

@@ -29,23 +29,14 @@ import argparse
 import gc
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
+from _proc import reset_peak, status_kib
+
 MIB = 1024 * 1024
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as handle:
-        return int(re.search(rf"^{field}:\s+(\d+) kB", handle.read(), re.M).group(1))
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
 
 
 def run_child(args: argparse.Namespace) -> dict:
@@ -73,12 +64,12 @@ def run_child(args: argparse.Namespace) -> dict:
 
     with torch.inference_mode():
         gc.collect()
-        _reset_peak()
-        before = _status_kib("VmRSS")
+        reset_peak()
+        before = status_kib("VmRSS")
         start = time.perf_counter()
         model(input_ids)
         first_ms = (time.perf_counter() - start) * 1e3
-        peak = _status_kib("VmHWM")
+        peak = status_kib("VmHWM")
         times, cpu_times = [], []
         for _ in range(args.repeats):
             start, cpu_start = time.perf_counter(), time.process_time()

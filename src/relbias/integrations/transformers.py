@@ -244,9 +244,9 @@ def relbias_t5_attention(
         module: the T5 attention layer (``is_causal`` tells decoder self-attention).
         query: (B, H, Lq, D); key: (B, H, Lk, D); value: (B, H, Lk, D), the layer's projections (cache included).
         attention_mask: the stack's 4D mask (bool or additive float) or None.
-        dropout: attention-probability dropout, applied in training mode (relbias' counter-based mask: the
-            reference and blockwise backends run such calls; the seed comes from torch's global RNG, which
-            gradient checkpointing restores for its recomputation).
+        dropout: attention-probability dropout, applied in training mode (relbias' counter-based mask, generated
+            inside the toeplitz backend's native kernels where they run, else by blockwise; the seed comes from
+            torch's global RNG, which gradient checkpointing restores for its recomputation).
         scaling: must be 1.0 or None (T5 does not scale scores).
         position_bias: the :class:`T5PositionBias` made by the patched ``compute_bias``.
 
