@@ -34,6 +34,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -180,20 +181,15 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
             T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0);
             const T* keep_row = keep == nullptr ? nullptr : keep + k0;
             const uint32_t row_hash = dropout.on ? dropout.row(bh, i) : 0u, key_base = dropout.key_base(k0);
-            if (dropout.on) {
-              if (keep_row != nullptr) {
-                probs_and_grads<true, true>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash,
-                                            key_base, dropout.threshold, keep_scale);
-              } else {
-                probs_and_grads<false, true>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling,
-                                             row_hash, key_base, dropout.threshold, keep_scale);
-              }
-            } else if (keep_row != nullptr) {
-              probs_and_grads<true, false>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash,
-                                           key_base, dropout.threshold, keep_scale);
+            auto pass = [&](auto padded, auto dropped) {  // the instantiation for this row's padding and dropout
+              probs_and_grads<decltype(padded)::value, decltype(dropped)::value>(
+                  srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash, key_base,
+                  dropout.threshold, keep_scale);
+            };
+            if (keep_row != nullptr) {
+              dropout.on ? pass(std::true_type{}, std::true_type{}) : pass(std::true_type{}, std::false_type{});
             } else {
-              probs_and_grads<false, false>(srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash,
-                                            key_base, dropout.threshold, keep_scale);
+              dropout.on ? pass(std::false_type{}, std::true_type{}) : pass(std::false_type{}, std::false_type{});
             }
             for (int64_t j = jend; j < bk; ++j) {
               srow[j] = T(0);
