@@ -63,7 +63,8 @@ def encoder_batch(batch: int, length: int, decoder_len: int, vocab: int):
 
 
 def run_child(spec: dict) -> dict:
-    """One (length, dropout, variant) in this process: build, then time ``warmup + steps`` steps (see the module)."""
+    """One (length, dropout, variant) in this process: build, then (``spec["measure"]``) either the peak memory of
+    one step or the times of ``warmup + steps`` steps (see the module)."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
     import transformers
@@ -81,17 +82,16 @@ def run_child(spec: dict) -> dict:
     )
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="sdpa").train()
+    input_ids, attention_mask, labels = encoder_batch(spec["batch"], spec["length"], spec["decoder_len"],
+                                                      config.vocab_size)
     backend = None
     if spec["variant"] == "patched":
         patch_t5(model)
         q = torch.empty(spec["batch"], 8, spec["length"], 64)
-        keep = torch.ones(spec["batch"], 1, 1, spec["length"], dtype=torch.bool)
-        keep[0, ..., -1] = False  # a padded batch: the encoder's call carries a key padding mask
+        keep = attention_mask.bool()[:, None, None, :]  # the encoder's key padding mask, (B, 1, 1, L)
         backend = relbias.explain_backend(q, q, q, bias=t5_biases_from_model(model).encoder[0], mask=keep,
                                           dropout_p=spec["dropout"])[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    input_ids, attention_mask, labels = encoder_batch(spec["batch"], spec["length"], spec["decoder_len"],
-                                                      config.vocab_size)
 
     def step() -> None:
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
