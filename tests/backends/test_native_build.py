@@ -122,7 +122,7 @@ def test_the_first_build_is_announced_once_with_its_folder(fake_build, caplog, t
     assert len(announced) == 1 and "compiling the toeplitz kernels" in announced[0]
     assert str(tmp_path / "relbias") in announced[0] and "python -m relbias.backends.build" in announced[0]
     assert variant == "built on first use (-march=native, OpenMP)" and again.name == module.name
-    assert fake_build.calls == [["-O3", "-march=native", "-fopenmp"]] * 2
+    assert fake_build.calls == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp"]] * 2
 
 
 def test_a_compiler_without_openmp_gets_a_single_threaded_build_and_advice(fake_build, monkeypatch, caplog):
@@ -131,10 +131,10 @@ def test_a_compiler_without_openmp_gets_a_single_threaded_build_and_advice(fake_
     with pytest.warns(RuntimeWarning, match=r"built without OpenMP .*brew install llvm"):
         _, variant = _native_build.build()
     assert variant == "built on first use (-march=native, no OpenMP: one thread per call)"
-    assert fake_build.calls == [["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native", "-fopenmp-simd"]]
+    assert fake_build.calls == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp"], ["-O3", "-fno-trapping-math", "-march=native", "-fopenmp-simd"]]
     with pytest.warns(RuntimeWarning, match="built without OpenMP"):
         _native_build.build()  # the next process: straight to the build without OpenMP
-    assert fake_build.calls[2:] == [["-O3", "-march=native", "-fopenmp-simd"]]
+    assert fake_build.calls[2:] == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp-simd"]]
     monkeypatch.setenv("CXX", "g++")  # another compiler: OpenMP is tried again
     fake_build.refuse_openmp = False
     assert _native_build.build()[1] == "built on first use (-march=native, OpenMP)"

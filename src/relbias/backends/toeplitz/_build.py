@@ -4,8 +4,9 @@ a build on first use (cached), with or without OpenMP.
 1. **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install, :mod:`relbias.backends.toeplitz._isa`): the widest
    installed level that the CPU and ATen's capability allow, loaded when it was built from the installed sources
    (else skipped, and the build on first use runs).
-2. **On first use**: :func:`torch.utils.cpp_extension.load` (a C++ compiler and the ``ninja`` package), with ``-O3``,
-   the architecture flag of :func:`~relbias.backends.toeplitz._isa.jit_arch_flag` and ``-fopenmp``, into
+2. **On first use**: :func:`torch.utils.cpp_extension.load` (a C++ compiler and the ``ninja`` package), with
+   :data:`~relbias.backends.toeplitz._isa.OPT_FLAGS` (``-O3 -fno-trapping-math``), the architecture flag of
+   :func:`~relbias.backends.toeplitz._isa.jit_arch_flag` and ``-fopenmp``, into
    ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default ``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is
    respected), in a folder named after the torch and Python versions, a hash of the CPU's feature flags and a
    hash of the sources, their folder and the flags: a build for one CPU is never loaded on another, and each
@@ -116,7 +117,8 @@ def _jit(openmp: bool):
     # -fopenmp: at::parallel_for is an inline template that runs serially unless compiled with OpenMP; the
     # extension's libgomp.so.1 resolves (by soname) to the one torch loaded, so it shares torch's threads and their
     # denormal mode. -fopenmp-simd keeps the kernels' `omp simd` loops vectorised without the runtime.
-    cflags = ["-O3", _native_isa.jit_arch_flag(), "-fopenmp" if openmp else "-fopenmp-simd"]
+    arch = _native_isa.jit_arch_flag()
+    cflags = [*_native_isa.OPT_FLAGS, arch, "-fopenmp" if openmp else "-fopenmp-simd"]
     ldflags = ["-fopenmp"] if openmp else []
     # the sources' folder too: ninja rebuilds when the same sources sit elsewhere (another checkout or venv), so each
     # location gets its own build (announced) rather than two of them rebuilding one folder in turn
@@ -125,13 +127,13 @@ def _jit(openmp: bool):
     folder = build_directory(tag)
     name = f"relbias_toeplitz_native_{tag}"
     threads = "OpenMP" if openmp else "no OpenMP: one thread per call"
-    described = f"built on first use ({cflags[1]}, {threads})"
+    described = f"built on first use ({arch}, {threads})"
     if openmp and (folder / _NO_OPENMP_MARK).exists() and not _built(folder, name):
         if (folder / _NO_OPENMP_MARK).read_text() == os.environ.get("CXX", "c++"):
             return None  # this compiler refused OpenMP before
     if not _built(folder, name):
         _LOG.warning("relbias: compiling the toeplitz kernels for this machine (%s, %s; about a minute on 2 cores, "
-                     "once) into %s; `python -m relbias.backends.build` does it ahead of time", cflags[1], threads,
+                     "once) into %s; `python -m relbias.backends.build` does it ahead of time", arch, threads,
                      folder)
     try:
         module = cpp_extension.load(

@@ -4,7 +4,7 @@ and the instruction-set levels of an ahead-of-time build with the rule that pick
 Imports nothing outside the standard library, so that ``setup.py`` reads the same lists (it loads this file by path,
 before torch or relbias are importable).
 
-- **Build on first use** (the default): ``-march=native`` on x86 (``-mcpu=native`` on Arm), or ``-march=VALUE``
+- **Build on first use** (the default): :data:`OPT_FLAGS` and ``-march=native`` on x86 (``-mcpu=native`` on Arm), or ``-march=VALUE``
   where the environment sets ``RELBIAS_NATIVE_MARCH=VALUE`` (e.g. ``x86-64-v2`` for a portable baseline).
 - **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install): one extension module per level of :func:`aot_levels`
   (x86-64-v2, -v3 = AVX2 + FMA, -v4 = AVX-512, as defined by the x86-64 psABI; one ``armv8-a`` build on Arm), and
@@ -27,6 +27,13 @@ SOURCES = ("toeplitz_backward.cpp", "toeplitz_forward.cpp")
 HEADERS = ("toeplitz_common.h",)
 #: Name of an ahead-of-time module: ``relbias.backends.toeplitz._native_<level>``.
 AOT_PREFIX = "_native_"
+#: Optimisation flags of every build (on first use and ahead of time), before the architecture flag.
+#: ``-fno-trapping-math`` (as libtorch itself is compiled): GCC's default assumes floating-point operations may trap,
+#: and then does not if-convert the clamps and selects of the kernels' row passes (the exponential's range clamp, a
+#: causal or padded key's zero) on targets without AVX-512's masked instructions, leaving those loops scalar: 5-7x
+#: slower per score on x86-64-v3 (AVX2) and v2. Results do not change (no reassociation, no contraction beyond the
+#: default's).
+OPT_FLAGS = ("-O3", "-fno-trapping-math")
 
 # /proc/cpuinfo flags each x86-64 level needs beyond the previous one (x86-64 psABI, "micro-architecture levels").
 _X86_LEVELS = (

@@ -21,6 +21,17 @@ void dgemm_(const char*, const char*, const int*, const int*, const int*, const 
 
 namespace relbias_toeplitz {
 
+// The widest vector register the build targets (bytes): AVX-512 64, AVX / AVX2 32, else 16 (SSE, NEON). Loops
+// written in GCC vector extensions use it: a vector wider than the target's registers is split by GCC, and its
+// compares and selects then ran scalar (the forward's bias-and-max pass 10x slower per score on AVX2).
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+
 constexpr double kExpFloor = -87.0;  // e^-87 = 1.6e-38: float32's smallest normals (as the Python version)
 
 template <typename T>

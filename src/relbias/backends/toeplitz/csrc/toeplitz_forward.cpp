@@ -49,12 +49,13 @@ using namespace relbias_toeplitz;
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
 // srow[j] += wrow[j] (Padded: + prow[j], the key padding row, 0 or -inf) for j < n; returns the largest (-inf for
-// n = 0; NaN if any is: a NaN query stays NaN). In GCC vector extensions (also Clang's): as a lane loop like
-// exp_sum's, GCC kept the max scalar (unrolled vmaxss).
+// n = 0; NaN if any is: a NaN query stays NaN). In GCC vector extensions (also Clang's) of the target's register
+// width: as a lane loop like exp_sum's, GCC kept the max scalar (unrolled vmaxss). The maximum is exact, so the
+// width does not change the result.
 template <bool Padded, typename T>
 T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n) {
-  constexpr int kLanes = 64 / sizeof(T);
-  typedef T Vec __attribute__((vector_size(64)));
+  constexpr int kLanes = kVectorBytes / sizeof(T);
+  typedef T Vec __attribute__((vector_size(kVectorBytes)));
   const T neg_inf = -std::numeric_limits<T>::infinity();
   Vec part;
   for (int l = 0; l < kLanes; ++l) part[l] = neg_inf;
@@ -90,7 +91,9 @@ inline T exp_term(T s, T m, T floor) {
   return exp_clamped(x < floor ? floor : x) * keep;
 }
 
-// srow[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87; returns their sum (lanes, then the tail).
+// srow[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87; returns their sum (lanes, then the tail). 64
+// bytes of lanes whatever the target's width (AVX2 runs them as two registers): the same order of summation on
+// every ISA.
 template <typename T>
 T exp_sum(T* __restrict__ srow, T m, int64_t n) {
   constexpr int kLanes = 64 / sizeof(T);
