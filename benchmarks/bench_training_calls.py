@@ -8,10 +8,12 @@ interleaved repeats, minimum and median):
 * ``plain``: no mask, no dropout (the baseline: toeplitz's fused kernels for an offset-only family, blockwise for FIRE);
 * ``padded``: a bool key padding mask (B, 1, 1, N), the last quarter of the keys of every row padded (the form
   patched Hugging Face models pass);
-* ``dropout``: attention dropout 0.1, no mask.
+* ``dropout``: attention dropout 0.1, no mask;
+* ``sdpa``: bias-free ``scaled_dot_product_attention`` on the same q, k, v, no mask, no dropout (the speed to match).
 
 Printed per row: the backend ``auto`` picks (``relbias.explain_backend``), the times and each as a ratio to
-``plain`` measured in the same run, and the 1-minute load average before and after.
+``plain`` measured in the same run, ``plain``, ``padded`` and ``dropout`` as ratios to ``sdpa``, and the 1-minute
+load average before and after.
 
 Targets: ``padded`` at most 1.10x and ``dropout`` at most 1.20x of ``plain``.
 
@@ -50,13 +52,16 @@ def _calls(family: str, causal: bool, n: int, batch: int, heads: int, dim: int):
             out.backward(grad)
         return run
 
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal).backward(grad)
+
     def clear():
         for t in leaves:
             t.grad = None
 
     backends = {name: relbias.explain_backend(q, k, v, bias=bias, is_causal=causal, **kw)[0]
                 for name, kw in variants.items()}
-    return {name: step(kw) for name, kw in variants.items()}, backends, clear
+    return {"sdpa": sdpa, **{name: step(kw) for name, kw in variants.items()}}, backends, clear
 
 
 def main() -> None:
@@ -75,7 +80,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     print(f"forward+backward, N={args.n}, B={args.batch}, H={args.heads}, D={args.head_dim}, float32, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"{'family':>11} {'mask':>6} {'plain ms':>9} {'padded':>18} {'dropout 0.1':>19}")
+    print(f"{'family':>11} {'mask':>6} {'plain ms':>9} {'plain/sdpa':>10} {'padded':>18} {'dropout 0.1':>19} "
+          f"{'padded/sdpa':>11} {'dropout/sdpa':>12}")
     for family in args.families:
         for causal in (True, False):
             steps, backends, clear = _calls(family, causal, args.n, args.batch, args.heads, args.head_dim)
@@ -88,8 +94,13 @@ def main() -> None:
                 t = times.get(name, {"error": "not run"})
                 return f"{t['ms'] / base:5.2f}x {backends[name]:>11}" if "ms" in t else t["error"][:18]
 
-            print(f"{family:>11} {'causal' if causal else 'bidi':>6} {base:>9.0f} {cell('padded'):>18} "
-                  f"{cell('dropout'):>19}", flush=True)
+            def to_sdpa(name):
+                t = times.get(name, {})
+                return f"{t['ms'] / times['sdpa']['ms']:.2f}x" if "ms" in t and "ms" in times["sdpa"] else "-"
+
+            print(f"{family:>11} {'causal' if causal else 'bidi':>6} {base:>9.0f} {to_sdpa('plain'):>10} "
+                  f"{cell('padded'):>18} {cell('dropout'):>19} {to_sdpa('padded'):>11} {to_sdpa('dropout'):>12}",
+                  flush=True)
     print(f"load average (1 min): {load_before:.2f} before, {os.getloadavg()[0]:.2f} after; ratios: minimum over "
           f"interleaved repeats against plain (the same call without mask or dropout); targets: padded <= 1.10x, dropout <= 1.20x")
 
