@@ -214,7 +214,7 @@ def test_auto_matches_reference_on_a_block_large_enough_to_tile(monkeypatch):
     padding = torch.ones(1, 1, 1, 1100, dtype=torch.bool)
     padding[..., 1000:] = False  # a key padding mask: toeplitz takes it at every size (no small-block rule)
     assert explain_backend(q, k, v, bias=bias, mask=padding)[0] == "toeplitz"
-    # 1 x 2 x 1100 x 1100 = 2.4M scores: structured would step aside for the reference under the default threshold
+    # 1 x 2 x 1100 x 1100 = 2.4M scores; a threshold above it would send auto to the reference instead of structured
     monkeypatch.setattr("relbias.backends._shared.reasons.AUTO_REFERENCE_MAX_SCORES", 1000)
     with torch.no_grad():
         want = relbias.attention(q, k, v, bias=bias, mask=padding, backend="reference")

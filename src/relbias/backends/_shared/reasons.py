@@ -12,8 +12,12 @@ __all__ = [
 ]
 
 #: "auto" passes the tiled backends (flex, structured, blockwise) over for the reference when B·H·Lq·Lk is at
-#: most this many scores (16 MiB in float32): below it tiling costs more Python overhead than it saves.
-AUTO_REFERENCE_MAX_SCORES = 1 << 22
+#: most this many scores (4 MiB in float32) and gradients are needed, or at most a quarter of it for inference:
+#: below it tiling costs more Python overhead than it saves. Measured with benchmarks/bench_auto.py (T5 with an
+#: additive float mask and FIRE, causal and bidirectional, H=8, on AVX-512 and emulated AVX2): the reference was
+#: as fast or faster up to 128 x 128 inference and 256 x 256 training calls per head; blockwise was 1.05-1.9x
+#: faster from 256 x 256 inference and mixed at 512 x 512 training (0.97-1.35x), faster beyond.
+AUTO_REFERENCE_MAX_SCORES = 1 << 20
 
 
 def tensor_bias_reasons(call: AttentionCall) -> list[str]:
@@ -59,10 +63,13 @@ def dropout_reasons(call: AttentionCall, kernel: str) -> list[str]:
 
 
 def small_block_reasons(call: AttentionCall) -> list[str]:
-    """The small-block rule, as an auto reason of the tiled backends: few scores are cheaper to materialise."""
-    if call.num_scores > AUTO_REFERENCE_MAX_SCORES:
+    """The small-block rule, as an auto reason of the tiled backends: few scores are cheaper to materialise
+    (at most :data:`AUTO_REFERENCE_MAX_SCORES` with gradients, a quarter of it without)."""
+    limit = AUTO_REFERENCE_MAX_SCORES if call.needs_grad else AUTO_REFERENCE_MAX_SCORES // 4
+    if call.num_scores > limit:
         return []
-    return [f"small block: {call.num_scores} scores (<= {AUTO_REFERENCE_MAX_SCORES}) are cheaper to materialise"]
+    what = "with gradients" if call.needs_grad else "for inference"
+    return [f"small block: {call.num_scores} scores (<= {limit} {what}) are cheaper to materialise"]
 
 
 def tensor_position_reasons(call: AttentionCall, backend: str) -> list[str]:
