@@ -15,8 +15,9 @@ __all__ = [
 #: most this many scores (4 MiB in float32) and gradients are needed, or at most a quarter of it for inference:
 #: below it tiling costs more Python overhead than it saves. Measured with benchmarks/bench_auto.py (T5 with an
 #: additive float mask and FIRE, causal and bidirectional, H=8, on AVX-512 and emulated AVX2): the reference was
-#: as fast or faster up to 128 x 128 inference and 256 x 256 training calls per head; blockwise was 1.05-1.9x
-#: faster from 256 x 256 inference and mixed at 512 x 512 training (0.97-1.35x), faster beyond.
+#: as fast or faster up to 128 x 128 inference and 256 x 256 training calls per head; blockwise was 1.05-2.1x
+#: faster from 256 x 256 inference; at 512 x 512 with gradients the two were within 0.8-1.35x of each other either
+#: way (blockwise ahead causal, FIRE's bidirectional backward behind), blockwise faster beyond.
 AUTO_REFERENCE_MAX_SCORES = 1 << 20
 
 
