@@ -76,3 +76,29 @@ def test_two_python_threads_leave_no_flushing_behind():
     for thread in threads:
         thread.join(timeout=60)
     assert leaks == [0, 0]
+
+
+def test_the_native_kernels_leave_every_threads_mode_as_they_found_it():
+    # the kernels flush on each of their threads and restore that thread's mode: every thread computes as before the
+    # call, with the default (denormals kept) and for a user who flushes already
+    from relbias.backends.toeplitz import _native
+
+    if _native.load_native() is None:
+        import pytest
+
+        pytest.skip(f"native kernels unavailable: {_native.native_unavailable_reason()}")
+    threads = max(2, torch.get_num_threads())
+    torch.set_num_threads(threads)
+    bias = relbias.ALiBiBias(num_heads=4)
+    q, k, v = (torch.randn(2, 4, 600, 16, requires_grad=True) for _ in range(3))
+    for user_flushes in (False, True):
+        torch.set_flush_denormal(user_flushes)
+        try:
+            before = _denormals_left(threads)
+            assert user_flushes or before == 1 << 21
+            out = relbias.attention(q, k, v, bias=bias, is_causal=True, backend="toeplitz")
+            assert _denormals_left(threads) == before
+            out.sum().backward()
+            assert _denormals_left(threads) == before
+        finally:
+            torch.set_flush_denormal(False)

@@ -16,8 +16,9 @@ Where they cannot be built (or ``RELBIAS_NATIVE=0``), the forward reads ``w`` th
 query rows of a block in reverse order) as the additive ``attn_mask`` of PyTorch's CPU flash kernel, one call per
 block of :data:`BLOCK_Q` query rows against the keys the block can see; the backward is that kernel's (no bias
 gradient) or the native kernel's pass in PyTorch (:mod:`relbias.backends.toeplitz._backward`). Everything runs with
-denormals flushed to zero on every thread (:func:`relbias.backends._shared.denormals.flush_denormals`): ALiBi's far keys
-otherwise land in float32 denormals (measured: forward 1.4x, backward 4x slower); exponentials are clamped at -87.
+denormals flushed to zero on every thread (the native kernels on each of their threads, the PyTorch paths through
+:func:`relbias.backends._shared.denormals.flush_denormals`): ALiBi's far keys otherwise land in float32 denormals
+(measured: forward 1.4x, backward 4x slower); exponentials are clamped at -87.
 Saved for backward: O(B·H·L·D).
 
 Under ``torch.compile`` forward and backward are ``torch.library`` custom ops

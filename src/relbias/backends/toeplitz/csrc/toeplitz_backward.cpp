@@ -21,8 +21,8 @@
 // batch (and heads, for a bias shared by every head) in a fixed order afterwards, so results are bit-identical
 // across runs (and across thread counts, as far as the BLAS is: measured so with MKL). GEMMs run inside a task,
 // single-threaded while nested OpenMP is off (the default): sgemm_/dgemm_ that libtorch_cpu exports when built
-// with MKL, else at::addmm_out on tile views. Denormals: the caller flushes them on every OpenMP thread (dS and
-// the GEMMs can meet them); exp's clamp at -87 keeps P normal.
+// with MKL, else at::addmm_out on tile views. Denormals: flushed on every worker while it runs (FlushDenormals,
+// toeplitz_common.h; dS and the GEMMs can meet them); exp's clamp at -87 keeps P normal.
 //
 // One extension module with toeplitz_forward.cpp (the fused forward); the shared helpers (BLAS, GEMM, exp, checks)
 // are in toeplitz_common.h, and this file holds the module's Python bindings, at its end.
@@ -108,6 +108,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   T* rows_p = rows.data_ptr<T>();
 
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals flush;  // this thread's mode, restored when the chunk is done
     std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile), acc_buf(kSpread * M);
     std::vector<T> keep_buf(kpad.has_value() ? Lk : 0);  // a padding row with padding inside its kept range: 1 or 0
     T* S = s_buf.data();   // scores, then P

@@ -25,8 +25,8 @@
 // heaviest (a causal call's last query tiles) first: enough tasks for every thread even at B*H = 1, balanced.
 // Each task writes only its own output rows, in an order fixed by the tile sizes, so results are bit-identical
 // across runs and thread counts (as far as the BLAS is). GEMMs are single-threaded inside a task: sgemm_ / dgemm_
-// that libtorch_cpu exports when built with MKL, else at::addmm_out on tile views. Denormals: the caller flushes
-// them on every OpenMP thread.
+// that libtorch_cpu exports when built with MKL, else at::addmm_out on tile views. Denormals: flushed on every
+// worker while it runs (FlushDenormals, toeplitz_common.h).
 
 #include "toeplitz_common.h"
 
@@ -142,6 +142,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const FlushDenormals flush;  // this thread's mode, restored when the worker is done
     constexpr int64_t kAlign = 64 / sizeof(T);  // S on a 64-byte boundary: the same BLAS code path every run
     std::vector<T> s_buf(tile_q * tile_k + kAlign), m_buf(tile_q), l_buf(tile_q);
     // scores, then P
