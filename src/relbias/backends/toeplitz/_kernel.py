@@ -231,6 +231,12 @@ _Eager = eager_function("ToeplitzEager", _forward_impl, _setup_context, _backwar
 def toeplitz_apply(query, key, value, values, plan: dict, key_padding=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward (differentiable through the backward) with ``plan``'s settings: scale, bias_scale, delta,
     is_causal, block_q, tile, and the additive ``key_padding`` (None or (Bm, Hm, Lk)); as the custom ops while
-    torch.compile traces, else as plain functions."""
-    apply = toeplitz_forward if torch.compiler.is_compiling() else _Eager.apply
+    torch.compile traces, else as plain functions (the forward alone where nothing needs a gradient: inference, no
+    autograd bookkeeping per call)."""
+    if torch.compiler.is_compiling():
+        apply = toeplitz_forward
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, values)):
+        apply = _Eager.apply
+    else:
+        apply = _forward_impl
     return apply(query, key, value, values, key_padding, *_settings(plan))
