@@ -219,6 +219,13 @@ class RelativeBias(nn.Module):
             self.__dict__["_native_memo"] = (memo, native)
         return native
 
+    def __getstate__(self) -> dict:
+        """The module's state for ``copy.deepcopy``, pickling and ``torch.save``: that of any module, less the memo
+        of the last native form (which may hold a loaded native extension module), rebuilt on the next call."""
+        state = super().__getstate__()
+        state.pop("_native_memo", None)
+        return state
+
     def _memo_key(self, alignment, device, stamp=None) -> tuple | None:
         """What :meth:`native`'s last result is valid for, or None where it must not be reused: families not
         :attr:`state_only`, calls whose values need a graph (grad mode with a parameter requiring grad), tensor
