@@ -68,9 +68,14 @@ def calls(args: argparse.Namespace):
                         query=q, key=k, value=v, bias=bias, is_causal=True), False
 
 
+def _options(kwargs: dict) -> dict:
+    """A call's keyword arguments less query, key and value (what explain_backend takes beside them)."""
+    return {key: value for key, value in kwargs.items() if key not in ("query", "key", "value")}
+
+
 def _candidates(kwargs: dict, with_flex: bool) -> list[str]:
     """The registered backends that can run the call (explain_backend accepts them)."""
-    explain = {key: value for key, value in kwargs.items() if key not in ("query", "key", "value")}
+    explain = _options(kwargs)
     names = []
     for name in BACKENDS:
         if name == "flex" and not with_flex:
@@ -122,9 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     print("minimum ms of interleaved repeats per backend that can run the call; auto's pick first")
     slower = 0
     for label, kwargs, grad in calls(args):
-        explain = {key: value for key, value in kwargs.items() if key not in ("query", "key", "value")}
         with torch.set_grad_enabled(grad):  # an inference call is asked about as it runs: under no_grad
-            picked, _ = relbias.explain_backend(kwargs["query"], kwargs["key"], kwargs["value"], **explain)
+            picked, _ = relbias.explain_backend(kwargs["query"], kwargs["key"], kwargs["value"], **_options(kwargs))
             names = _candidates(kwargs, args.with_flex)
         times = time_methods({name: _step(name, kwargs, grad) for name in names}, repeats=args.repeats,
                              budget_ms=args.budget_ms)

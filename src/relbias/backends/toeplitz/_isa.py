@@ -4,8 +4,9 @@ and the instruction-set levels of an ahead-of-time build with the rule that pick
 Imports nothing outside the standard library, so that ``setup.py`` reads the same lists (it loads this file by path,
 before torch or relbias are importable).
 
-- **Build on first use** (the default): :data:`OPT_FLAGS` and ``-march=native`` on x86 (``-mcpu=native`` on Arm), or ``-march=VALUE``
-  where the environment sets ``RELBIAS_NATIVE_MARCH=VALUE`` (e.g. ``x86-64-v2`` for a portable baseline).
+- **Build on first use** (the default): :data:`OPT_FLAGS` and ``-march=native`` on x86 (``-mcpu=native`` on Arm),
+  or ``-march=VALUE`` where the environment sets ``RELBIAS_NATIVE_MARCH=VALUE`` (e.g. ``x86-64-v2`` for a portable
+  baseline).
 - **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install): one extension module per level of :func:`aot_levels`
   (x86-64-v2, -v3 = AVX2 + FMA, -v4 = AVX-512, as defined by the x86-64 psABI; one ``armv8-a`` build on Arm), and
   :func:`run_time_level` takes the widest the CPU executes, capped by ATen's own choice

@@ -8,8 +8,6 @@ method.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .._shared.autograd import eager_function, first_order
@@ -24,15 +22,6 @@ __all__ = ["part_backward", "toeplitz_apply"]
 _NEG_INF = float("-inf")
 
 
-def _flush_unless_native(query: torch.Tensor) -> contextlib.AbstractContextManager:
-    """Denormals flushed on every thread (:func:`flush_denormals`) for the PyTorch paths; nothing where the native
-    kernels take ``query``: they flush on each of their threads themselves, without the per-call round trip through
-    the OpenMP runtime (a tenth of a millisecond, as long as the kernel itself at 128 tokens)."""
-    if _toeplitz_native.loaded_native(query) is not None:
-        return contextlib.nullcontext()
-    return flush_denormals()
-
-
 def _forward_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor,
     key_padding: torch.Tensor | None, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int,
@@ -45,20 +34,27 @@ def _forward_impl(
     kernels only: the caller sees to it). ``tile`` is the backward's (kept with the forward's settings). The fused C++
     forward (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
     else PyTorch's CPU flash kernel per block of ``block_q`` query rows."""
-    with _flush_unless_native(query):
-        w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
-        tile_q, tile_k = _toeplitz_native.forward_tiles(block_q)
-        native = _toeplitz_native.forward(
-            query, key, value, w,
-            {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k,
-             "dropout_p": dropout_p, "seed": seed, "query_start": query_start, "key_start": key_start},
-            key_padding=key_padding,
-        )
-        if native is not None:
-            return native
-        if dropout_p > 0:
-            raise RuntimeError("attention dropout on the toeplitz backend needs its native kernels, which do not run "
-                               "here (the dispatcher sends such calls to blockwise)")
+    w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
+    tile_q, tile_k = _toeplitz_native.forward_tiles(block_q)
+    native = _toeplitz_native.forward(
+        query, key, value, w,
+        {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k,
+         "dropout_p": dropout_p, "seed": seed, "query_start": query_start, "key_start": key_start},
+        key_padding=key_padding,
+    )
+    if native is not None:
+        return native
+    if dropout_p > 0:
+        raise RuntimeError("attention dropout on the toeplitz backend needs its native kernels, which do not run "
+                           "here (the dispatcher sends such calls to blockwise)")
+    return _flash_forward(query, key, value, w, key_padding, scale, delta, is_causal, block_q)
+
+
+def _flash_forward(query, key, value, w, key_padding, scale, delta, is_causal, block_q):
+    """(out, lse) by PyTorch's CPU flash kernel, one call per block of ``block_q`` query rows with the reversed bias
+    ``w`` as a strided mask (plus the key padding), denormals flushed on every thread (:func:`flush_denormals`; the
+    native kernels flush on their own threads)."""
+    with flush_denormals():
         b, h, lq, _ = query.shape
         lk = key.shape[2]
         out = query.new_zeros(b, h, lq, value.shape[-1])
@@ -123,30 +119,29 @@ def _backward_impl(
     forms ``dS`` once for all four; its bias gradient is dropped when not wanted, about a tenth of its work). Where
     it cannot be built or ``RELBIAS_NATIVE=0`` is set: without a bias gradient, the CPU flash kernel's own backward
     per query block; with one, the native kernel's Python version (:mod:`relbias.backends.toeplitz._backward`)."""
-    with _flush_unless_native(query):
-        w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
-        do = grad_out.to(out.dtype)
-        empty = lse == _NEG_INF
-        if grad_lse is not None:
-            grad_lse = grad_lse.to(lse.dtype).masked_fill(empty, 0.0)
-        if not values_grad and dropout_p == 0 and _toeplitz_native.load_native() is None:
-            dq, dk, dv = _kernel_backward(do, grad_lse, query, key, value, out, lse.masked_fill(empty, float("inf")),
-                                          w, key_padding, scale, delta, is_causal, block_q)
-            return dq, dk, dv, values.new_empty(0)
-        plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile, "dropout_p": dropout_p,
-                "seed": seed, "query_start": query_start, "key_start": key_start}
-        if dropout_p > 0:
-            dq, dk, dv, grad_w = _toeplitz_native.native_backward(do, query, key, value, out, lse, grad_lse, w, plan,
-                                                                  key_padding=key_padding)
-        else:
-            dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan,
-                                                           key_padding=key_padding)
-        if not values_grad:
-            return dq, dk, dv, values.new_empty(0)
-        grad_values = grad_w.flip(-1) * bias_scale
-        if is_causal:  # future offsets: no query sees them
-            grad_values.masked_fill_(future_offsets(grad_values, delta, key.shape[2]), 0.0)
-        return dq, dk, dv, grad_values.to(values.dtype).contiguous()
+    w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
+    do = grad_out.to(out.dtype)
+    empty = lse == _NEG_INF
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(lse.dtype).masked_fill(empty, 0.0)
+    if not values_grad and dropout_p == 0 and _toeplitz_native.load_native() is None:
+        dq, dk, dv = _kernel_backward(do, grad_lse, query, key, value, out, lse.masked_fill(empty, float("inf")),
+                                      w, key_padding, scale, delta, is_causal, block_q)
+        return dq, dk, dv, values.new_empty(0)
+    plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile, "dropout_p": dropout_p,
+            "seed": seed, "query_start": query_start, "key_start": key_start}
+    if dropout_p > 0:
+        dq, dk, dv, grad_w = _toeplitz_native.native_backward(do, query, key, value, out, lse, grad_lse, w, plan,
+                                                              key_padding=key_padding)
+    else:
+        dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan,
+                                                       key_padding=key_padding)
+    if not values_grad:
+        return dq, dk, dv, values.new_empty(0)
+    grad_values = grad_w.flip(-1) * bias_scale
+    if is_causal:  # future offsets: no query sees them
+        grad_values.masked_fill_(future_offsets(grad_values, delta, key.shape[2]), 0.0)
+    return dq, dk, dv, grad_values.to(values.dtype).contiguous()
 
 
 def part_backward(grad_out, query, key, value, values, out, lse, plan: dict, key_padding=None):
@@ -169,25 +164,27 @@ def _settings(plan: dict) -> tuple:
 def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, key_padding, scale, delta, is_causal,
                      block_q):
     """dq, dk, dv by the CPU flash kernel's backward, one call per query block with the bias view as its mask;
-    ``kernel_lse`` is +inf for rows with no key (p = exp(s - inf) = 0)."""
-    lq, lk = query.shape[2], key.shape[2]
-    dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))  # contiguous
-    for i0 in range(0, lq, block_q):
-        i1 = min(lq, i0 + block_q)
-        end = key_end(i1, delta, lk, is_causal)
-        if end == 0:
-            continue
-        rows = slice(i0, i1)
-        gq, gk, gv = fused_backward(
-            do[:, :, rows].flip(2), query[:, :, rows].flip(2), key[:, :, :end], value[:, :, :end],
-            out[:, :, rows].flip(2), kernel_lse[:, :, rows].flip(2), is_causal=False, scale=scale,
-            attn_mask=_padded(block_mask(w, lq, i0, i1, 0, end), key_padding, end),
-            lse_grad=None if grad_lse is None else grad_lse[:, :, rows].flip(2),
-        )
-        dq[:, :, rows] = gq.flip(2)
-        dk[:, :, :end] += gk
-        dv[:, :, :end] += gv
-    return dq, dk, dv
+    ``kernel_lse`` is +inf for rows with no key (p = exp(s - inf) = 0). Denormals flushed on every
+    thread (:func:`flush_denormals`; the native kernels flush on their own threads)."""
+    with flush_denormals():
+        lq, lk = query.shape[2], key.shape[2]
+        dq, dk, dv = (torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (query, key, value))  # contiguous
+        for i0 in range(0, lq, block_q):
+            i1 = min(lq, i0 + block_q)
+            end = key_end(i1, delta, lk, is_causal)
+            if end == 0:
+                continue
+            rows = slice(i0, i1)
+            gq, gk, gv = fused_backward(
+                do[:, :, rows].flip(2), query[:, :, rows].flip(2), key[:, :, :end], value[:, :, :end],
+                out[:, :, rows].flip(2), kernel_lse[:, :, rows].flip(2), is_causal=False, scale=scale,
+                attn_mask=_padded(block_mask(w, lq, i0, i1, 0, end), key_padding, end),
+                lse_grad=None if grad_lse is None else grad_lse[:, :, rows].flip(2),
+            )
+            dq[:, :, rows] = gq.flip(2)
+            dk[:, :, :end] += gk
+            dv[:, :, :end] += gv
+        return dq, dk, dv
 
 
 toeplitz_backward = torch.library.custom_op("relbias::toeplitz_backward", _backward_impl, mutates_args=())

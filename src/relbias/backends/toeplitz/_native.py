@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from .._shared.denormals import flush_denormals
 from ._build import build as _build
 from ._backward import tiled_backward
 
@@ -158,7 +159,8 @@ def backward(
     future offsets: unspecified, the caller zeroes them). Source: FlashAttention-2 backward (Dao 2023, Alg. 2).
     """
     if not _runs(query, "backward runs in Python"):
-        return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan, key_padding=key_padding)
+        with flush_denormals():  # the Python pass; the native kernels flush on their own threads
+            return tiled_backward(do, query, key, value, out, lse, grad_lse, w, plan, key_padding=key_padding)
     return native_backward(do, query, key, value, out, lse, grad_lse, w, plan, key_padding=key_padding)
 
 

@@ -58,8 +58,8 @@ def far_constant(settings: BlockSettings, kind: str, device: torch.device) -> to
 
 
 #: From this many scores (B·H·lq·lk) a block with a far-constant bias runs the structured backend where it can,
-#: instead of what "auto" picks (the reference up to 2^20 scores with gradients): measured on one CPU thread, D = 64, a causal
-#: T5 block with gradients, structured is 1.4x faster at 256 x 256 x 8 heads and 2.9x at 512 x 512 x 8.
+#: instead of what "auto" picks (the reference up to 2^20 scores with gradients): measured on one CPU thread, D = 64,
+#: a causal T5 block with gradients, structured is 1.4x faster at 256 x 256 x 8 heads and 2.9x at 512 x 512 x 8.
 PREFER_STRUCTURED_SCORES = 1 << 19
 
 
