@@ -10,6 +10,10 @@ With Lq <= :data:`MAX_QUERIES`, the bias of the whole block is only (H, Lq, Lk).
   offset-only families) and added, with the causal and user masks, to one additive ``attn_mask`` of PyTorch's CPU
   flash-attention kernel (through SDPA's binding, or the raw op when the log-sum-exp is asked for).
 
+For the families whose values read their parameters alone (T5, per-offset, ALiBi, KERPLE), both read the reversed
+per-offset values as a view into one table per bias (:mod:`relbias.backends._shared.offset_table`), grown
+geometrically with the keys: the layers and steps of a decoder compute no bias until the keys outgrow it.
+
 Nothing of K or V is copied or scanned (only keys some query cannot see are checked for NaN/inf, see
 :attr:`relbias.call.AttentionCall.hidden_keys_finite`); a query with no visible key gets output 0 and lse -inf.
 
@@ -27,6 +31,7 @@ from ..biases.base import RelativeBias
 from ..call import AttentionCall
 from .toeplitz import _native as _toeplitz_native
 from ._shared.cpu_flash import cpu_flash_reasons, fused_forward
+from ._shared.offset_table import reversed_rows
 from ._shared.reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
 from .toeplitz._view import reversed_bias
 from .base import Backend
@@ -66,18 +71,21 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     if not bias.offset_only:
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
         return (pe.to(dtype) * call.bias_scale)[None]
+    w = reversed_rows(call, dtype)  # a view into the bias's table, shared by every layer and step (-inf: masked)
+    if w is not None:
+        return _rows(w, call)
     native = call.native_bias()
     # reversed and scaled as the toeplitz backend's (no causal -inf: decode masks with ``visible``); kept with the
     # native form, which a decoder's layers share within a step
-    return native.derive(("decode", dtype, call.bias_scale), lambda: _rows(native.values, call, dtype))
+    make = lambda: _rows(reversed_bias(native.values, dtype, call.bias_scale, False, call.delta, a.key_len), call)
+    return native.derive(("decode", dtype, call.bias_scale), make)
 
 
-def _rows(values: torch.Tensor, call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
-    """(1, Hb, Lq, Lk): entry (t, s) is ``w[:, Lq - 1 - t + s]`` of the reversed, scaled ``values``."""
+def _rows(w: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """(1, Hb, Lq, Lk): entry (t, s) is ``w[:, Lq - 1 - t + s]`` of the reversed, scaled bias ``w`` (Hb, Lq + Lk - 1)."""
     a = call.alignment
-    w = reversed_bias(values, dtype, call.bias_scale, False, call.delta, a.key_len)
-    rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # rows[:, r, s] = w[:, r + s]
-    return (rows if a.query_len == 1 else rows.flip(1))[None]
+    rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # from w's own offset
+    return (rows if a.query_len == 1 else rows.flip(1))[None]  # rows[:, r, s] = w[:, r + s], then query order
 
 
 def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,27 +122,18 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
         return None
     if not _toeplitz_native.read_in_place(query, key, value) or torch.compiler.is_compiling():
         return None
-    native = call.native_bias()
-    # kept with the native form, which a decoder's layers share within a step: whether the kernels run (RELBIAS_NATIVE
-    # is read once per native form) and the reversed, scaled bias with -inf at future offsets
-    key_ = ("decode native", query.dtype, call.bias_scale, call.is_causal)
-    plan = native.derive(key_, lambda: _native_plan(call, native.values))
-    if not plan:
+    module = _toeplitz_native.loaded_native(query)
+    if module is None:
         return None
-    module, w = plan
+    w = reversed_rows(call, query.dtype)  # a view into the bias's table, shared by every layer and step
+    if w is None:  # the reversed, scaled bias with -inf at future offsets, kept with the native form
+        native = call.native_bias()
+        key_ = ("decode native", query.dtype, call.bias_scale, call.is_causal)
+        make = lambda: reversed_bias(native.values, query.dtype, call.bias_scale, call.is_causal, call.delta, key.shape[2])
+        w = native.derive(key_, make)
     out, lse = module.toeplitz_forward(query, key, value, w, call.scale, call.delta, call.is_causal,
                                        _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True)
     return out, lse
-
-
-def _native_plan(call: AttentionCall, values: torch.Tensor) -> tuple:
-    """(the native extension module, ``w`` (Hb, Lq + Lk - 1): ``values`` reversed and scaled, -inf at a causal call's
-    future offsets), or () where the native kernels do not run."""
-    module = _toeplitz_native.loaded_native(call.query)
-    if module is None:
-        return ()
-    a = call.alignment
-    return module, reversed_bias(values, call.query.dtype, call.bias_scale, call.is_causal, call.delta, a.key_len)
 
 
 class DecodeBackend(Backend):

@@ -163,9 +163,10 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, 
 // Whether the exported BLAS has the GEMM for this dtype.
 inline bool have_blas(at::ScalarType dtype) { return dtype == at::kFloat ? sgemm_ != nullptr : dgemm_ != nullptr; }
 
-// The strides the kernels read a tensor with: kContiguous (w), kRows (a (B, H, L, D) input: unit stride along D, rows
-// at least D apart, any batch and head strides), kAny (lse, grad_lse: (B, H, L)).
-enum class Layout { kContiguous, kRows, kAny };
+// The strides the kernels read a tensor with: kContiguous (the backward's w), kRows (a (B, H, L, D) input: unit stride
+// along D, rows at least D apart, any batch and head strides), kUnitLast (the forward's w: unit stride along its last
+// dimension, any row stride: a view into a longer table), kAny (lse, grad_lse: (B, H, L)).
+enum class Layout { kContiguous, kRows, kUnitLast, kAny };
 
 inline bool rows_layout(const at::Tensor& t) {
   return (t.size(3) <= 1 || t.stride(3) == 1) && (t.size(2) <= 1 || t.stride(2) >= t.size(3));
@@ -179,6 +180,8 @@ inline void check(const at::Tensor& t, const char* name, at::ScalarType dtype, i
   if (layout == Layout::kContiguous) TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   if (layout == Layout::kRows)
     TORCH_CHECK(rows_layout(t), name, " must have unit stride along its last dimension and rows at least that long apart");
+  if (layout == Layout::kUnitLast)
+    TORCH_CHECK(t.size(-1) <= 1 || t.stride(-1) == 1, name, " must have unit stride along its last dimension");
 }
 
 // Rows of a (B, H, L, D) tensor in the kRows layout: element (b, h, i, d) at (*this)(b * H + h) + i * ld + d. A slice
@@ -207,13 +210,13 @@ struct Entries {
 // and w (1 or H, Lq + Lk - 1): one dtype, float32 or float64, CPU, q, k, v in the kRows layout and w contiguous, shapes
 // that agree. Returns the dtype.
 inline at::ScalarType check_qkvw(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
-                                 const char* fn) {
+                                 const char* fn, Layout w_layout = Layout::kContiguous) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, fn, ": float32 or float64, got ", dtype);
   check(q, "query", dtype, 4, Layout::kRows);
   check(k, "key", dtype, 4, Layout::kRows);
   check(v, "value", dtype, 4, Layout::kRows);
-  check(w, "w", dtype, 2);
+  check(w, "w", dtype, 2, w_layout);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
                   k.size(3) == q.size(3), fn, ": query, key, value shapes disagree");

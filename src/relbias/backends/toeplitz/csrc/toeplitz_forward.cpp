@@ -124,7 +124,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     at::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
-  const int64_t Hb = w.size(0), M = w.size(1);
+  const int64_t Hb = w.size(0), w_ld = w.stride(0);
   const int64_t BH = B * H;
   const int64_t n_tiles = (Lq + tile_q - 1) / tile_q;
   const int64_t n_tasks = BH * n_tiles;
@@ -154,7 +154,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t qt = n_tiles - 1 - task / BH;  // last query tiles first: a causal call's heaviest
       const int64_t i0 = qt * tile_q, i1 = std::min(Lq, i0 + tile_q), bq = i1 - i0;
       const int64_t hb = Hb == 1 ? 0 : bh % H;
-      const T* wr = w_p + hb * M;
+      const T* wr = w_p + hb * w_ld;
       const T* qb = q_rows(bh) + i0 * q_ld;
       const T* kb = k_rows(bh);
       const T* vb = v_rows(bh);
@@ -224,8 +224,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // (out, lse) of the toeplitz attention; see the file's head. Shapes: q (B, H, Lq, Dk); k (B, H, Lk, Dk); v
 // (B, H, Lk, Dv); w (Hb, Lq + Lk - 1) with Hb 1 or H, the reversed scaled bias (-inf at a causal call's future
 // offsets); CPU tensors of one dtype, float32 or float64, q, k, v with unit stride along D (any other strides: read
-// in place), w contiguous. delta: key s is visible to query t when
-// s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
+// in place), w with unit stride along offsets (any row stride: a view into a longer table). delta: key s is visible
+// to query t when s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
 // (B, H, Lq), contiguous, in that dtype. blas: call the exported BLAS directly (when present) instead of
 // at::addmm_out. kpad: None or the key padding mask as an additive (1 or B, 1 or H, Lk) row, 0 or -inf, contiguous.
 // dropout_p in [0, 1): attention dropout with the counter-based mask of seed, the first query's and the first key's
@@ -235,7 +235,7 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
                                          int64_t tile_q, int64_t tile_k, bool blas,
                                          const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
                                          int64_t query_start, int64_t key_start) {
-  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward");
+  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward", Layout::kUnitLast);
   check_kpad(kpad, q, k, dtype, "toeplitz_forward");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_forward: dropout_p must be in [0, 1)");
   const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
