@@ -9,6 +9,7 @@ import fnmatch
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 
@@ -120,7 +121,7 @@ def test_the_first_build_is_announced_once_with_its_folder(fake_build, caplog, t
         again, _ = _native_build.build()  # built: loaded from the cache without a word
     announced = [r.getMessage() for r in caplog.records]
     assert len(announced) == 1 and "compiling the toeplitz kernels" in announced[0]
-    assert str(tmp_path / "relbias") in announced[0] and "python -m relbias.backends.build" in announced[0]
+    assert str(tmp_path / "relbias") in announced[0] and "`relbias build` does it ahead of time" in announced[0]
     assert variant == "built on first use (-march=native, OpenMP)" and again.name == module.name
     assert fake_build.calls == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp"]] * 2
 
@@ -212,3 +213,16 @@ def test_each_copy_of_the_sources_builds_in_its_own_folder(fake_build, monkeypat
         second, _ = _native_build.build()
     assert first.name != second.name
     assert len([r for r in caplog.records if "compiling the toeplitz kernels" in r.getMessage()]) == 2
+
+
+def test_the_build_notice_the_readme_and_the_docs_state_one_time_and_one_command():
+    """The time a first build takes and the command that builds ahead, as the notice says them, are what the README
+    and the docs say."""
+    root = Path(__file__).resolve().parents[2]
+    notice = _native_build.build_notice("-march=native", "OpenMP", Path("/cache"))
+    assert _native_build.BUILD_TIME in notice and f"`{_native_build.BUILD_COMMAND}`" in notice
+    for page in ("README.md", "docs/index.md", "docs/native-kernels.md"):
+        text = " ".join((root / page).read_text().split())  # line breaks as spaces
+        assert _native_build.BUILD_TIME in text or _native_build.BUILD_TIME.replace(" on 2 cores", "") in text, page
+        assert f"`{_native_build.BUILD_COMMAND}`" in text, page
+        assert "about a minute" not in text and "45 s" not in text, page

@@ -155,3 +155,47 @@ def test_quick_runs_write_beside_the_full_results_not_over_them(corpus, tmp_path
     assert main(["extrapolate", "--quick", "--corpus", str(corpus), "--schemes", "none", *TINY]) == 0
     assert (tmp_path / "runs" / "extrapolate-quick" / "results.json").exists()
     assert not (tmp_path / "runs" / "extrapolate").exists()
+
+
+def _starts_a_line(text: str, line: str) -> bool:
+    """Whether ``line`` is in ``text`` at the start of a terminal line (after a newline or a carriage return that
+    follows a cleared bar), not glued to a progress bar's text."""
+    at = text.find(line)
+    return at == 0 or (at > 0 and text[at - 1] in "\r\n")
+
+
+def test_log_lines_during_a_progress_bar_are_written_above_it(capsys):
+    import logging
+
+    from relbias.cli.extrapolate import _progress_hook
+
+    hook, _, log_through_bars = _progress_hook(False)
+    with log_through_bars:
+        for step in hook(range(3), desc="train", total=3):
+            if step == 1:
+                logging.getLogger("relbias.backends.toeplitz._build").warning("relbias: a build notice")
+    err = capsys.readouterr().err
+    assert "train" in err and _starts_a_line(err, "relbias: a build notice\n")
+
+
+def test_the_kernels_are_loaded_before_the_first_progress_bar(corpus, tmp_path, capsys, monkeypatch):
+    """A first build (about 50 s) must not be timed as the first training step's: it runs, and says so, before any
+    bar is drawn."""
+    import logging
+
+    from relbias.backends.toeplitz import _native
+
+    loaded, original = [], _native.load_native
+
+    def load_native():
+        if not loaded:  # the notice a first build logs
+            logging.getLogger("relbias.backends.toeplitz._build").warning("relbias: compiling (test)")
+        loaded.append(True)
+        return original()
+
+    monkeypatch.setattr(_native, "load_native", load_native)
+    args = [a for a in TINY if a != "--no-progress"]
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(tmp_path / "out"), "--schemes", "t5", *args]) == 0
+    err = capsys.readouterr().err
+    assert loaded and _starts_a_line(err, "relbias: compiling (test)\n")
+    assert err.index("relbias: compiling (test)") < err.index("it/s]")  # before the first bar

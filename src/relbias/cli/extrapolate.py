@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import logging
 import os
 import sys
 import time
@@ -111,18 +113,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _progress_hook(disabled: bool):
-    """(progress hook, line printer): tqdm bars on stderr, or none with --no-progress (tqdm then optional)."""
+    """(progress hook, line printer, context): tqdm bars on stderr and a context in which relbias' log lines (the
+    kernels' build notice) are written through tqdm, above the bars; or none with --no-progress (tqdm then
+    optional)."""
     try:
         from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
     except ImportError as exc:
         if disabled:
-            return (lambda iterable, **_: iterable), print
+            return (lambda iterable, **_: iterable), print, contextlib.nullcontext()
         raise RuntimeError("progress bars need tqdm: pip install 'relbias[cli]' (or pass --no-progress)") from exc
 
     def hook(iterable, *, desc: str = "", total: int | None = None):
         return tqdm(iterable, desc=desc, total=total, leave=False, disable=disabled, dynamic_ncols=True, file=sys.stderr)
 
-    return hook, tqdm.write
+    redirect = logging_redirect_tqdm([logging.getLogger("relbias")], tqdm_class=tqdm)
+    return hook, tqdm.write, contextlib.nullcontext() if disabled else redirect
+
+
+def _load_kernels(backend: str) -> None:
+    """Build or load the native kernels that training on CPU runs (``auto`` and ``toeplitz``) before the first
+    progress bar starts: a first build takes about 50 s, which a bar would count as its first step's time."""
+    if backend in ("auto", "toeplitz"):
+        from ..backends.toeplitz import _native
+
+        _native.load_native()
 
 
 def _print_table(rows: list[list[str]]) -> None:
@@ -197,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     except TypeError as exc:  # pragma: no cover - argparse types guard this
         raise ValueError(str(exc)) from exc
     corpus = load_corpus(args.corpus)
-    hook, write = _progress_hook(args.no_progress)
+    hook, write, log_through_bars = _progress_hook(args.no_progress)
     header = (
         f"relbias extrapolate: corpus {corpus.name} ({len(corpus)} bytes), schemes {', '.join(schemes)}; "
         f"seeds {','.join(map(str, seed_list))}; L = {args.train_len}, evaluated at {', '.join(map(str, eval_lengths))} "
@@ -214,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
         if not announced:
             announced = True
             print(header, flush=True)
+            _load_kernels(config.backend)
 
     def progress(iterable, **kwargs):
         announce()
@@ -231,10 +247,11 @@ def run(args: argparse.Namespace) -> int:
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = run_extrapolation(
-            config, schemes, corpus, args.out, seeds=seed_list, resume=args.resume, progress=progress,
-            on_result=report,
-        )
+        with log_through_bars:
+            results = run_extrapolation(
+                config, schemes, corpus, args.out, seeds=seed_list, resume=args.resume, progress=progress,
+                on_result=report,
+            )
     except ImportError as exc:
         raise RuntimeError(str(exc)) from exc
     except KeyboardInterrupt:

@@ -10,8 +10,8 @@ a build on first use (cached), with or without OpenMP.
    ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default ``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is
    respected), in a folder named after the torch and Python versions, a hash of the CPU's feature flags and a
    hash of the sources, their folder and the flags: a build for one CPU is never loaded on another, and each
-   installed copy of the sources has its own build. The first build (about a minute
-   on 2 cores) is announced through :mod:`logging` before it starts; later processes load it (0.2 s).
+   installed copy of the sources has its own build. The first build (:data:`BUILD_TIME`) is announced through
+   :mod:`logging` before it starts; later processes load it (0.2 s).
    ``RELBIAS_NATIVE_MARCH`` skips the ahead-of-time modules and builds for the ``-march`` it names.
 3. **No OpenMP** (Apple clang; clang without libomp): the compiler's refusal of ``-fopenmp`` is recognised, the
    kernels are built with ``-fopenmp-simd`` (vectorised, one thread per call: ``at::parallel_for`` runs serially
@@ -38,6 +38,16 @@ from . import _isa as _native_isa
 __all__ = ["build", "build_directory", "lacks_openmp"]
 
 _LOG = logging.getLogger(__name__)
+#: How long the first build takes, as the notice, the README and the docs say it (g++ 12.2, 2 cores: 51 s).
+BUILD_TIME = "about 50 s on 2 cores"
+#: The command that builds the kernels ahead of time (:mod:`relbias.cli.build`).
+BUILD_COMMAND = "relbias build"
+
+
+def build_notice(arch: str, threads: str, folder: Path) -> str:
+    """The line logged before a build on first use starts: flags, time, folder and how to build ahead."""
+    return (f"relbias: compiling the toeplitz kernels for this machine ({arch}, {threads}; {BUILD_TIME}, once) into "
+            f"{folder}; `{BUILD_COMMAND}` does it ahead of time")
 _NO_OPENMP_MARK = "openmp-refused"
 #: What a compiler or linker prints when it has no OpenMP (GCC, clang, Apple clang; GNU ld, Apple ld).
 _OPENMP_REFUSALS = re.compile(
@@ -132,9 +142,7 @@ def _jit(openmp: bool):
         if (folder / _NO_OPENMP_MARK).read_text() == os.environ.get("CXX", "c++"):
             return None  # this compiler refused OpenMP before
     if not _built(folder, name):
-        _LOG.warning("relbias: compiling the toeplitz kernels for this machine (%s, %s; about a minute on 2 cores, "
-                     "once) into %s; `python -m relbias.backends.build` does it ahead of time", arch, threads,
-                     folder)
+        _LOG.warning(build_notice(arch, threads, folder))
     try:
         module = cpp_extension.load(
             name=name, sources=[str(_native_isa.CSRC / s) for s in _native_isa.SOURCES], extra_cflags=cflags,

@@ -15,7 +15,7 @@ tile. Results are deterministic (the per-(batch, head) bias-gradient rows are su
 
 Both kernels are one extension module (``csrc/*.cpp`` and the shared ``csrc/toeplitz_common.h``), obtained by
 :func:`relbias.backends.toeplitz._build.build`: an ahead-of-time module installed with the package, else a build on
-first use (``-O3 -march=native -fopenmp``, cached per machine kind; the first build, about a minute on 2 cores, is
+first use (``-O3 -march=native -fopenmp``, cached per machine kind; the first build, about 50 s on 2 cores, is
 announced through :mod:`logging`), else, for a compiler without OpenMP, a single-threaded build.
 
 Fallback: when the build or load fails, or the environment sets ``RELBIAS_NATIVE=0``, or the inputs are not CPU
