@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     failed = False
     for isa in args.isas:
-        built = _run(isa, [sys.executable, "-m", "relbias.backends.build"])
+        built = _run(isa, [sys.executable, "-m", "relbias", "build"])
         variant = (built.stdout.strip().splitlines() or ["?"])[0]
         print(f"{isa}: {variant}", flush=True)
         for family in args.families:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from relbias import benchmark
 from relbias.benchmark import memory
 from relbias.cli.main import main
@@ -48,3 +50,14 @@ def test_memory_probe_sees_a_materialised_bias():
     assert eager["peak_mib"] > sdpa["peak_mib"]
     # above the post-import baseline: the (1, 8, 1024, 32) float32 q, k, v are 3 MiB, not the ~200 MiB of torch
     assert 3 <= sdpa["peak_mib"] < sdpa["baseline_mib"] / 2
+
+
+def test_bench_help_states_each_default_once(capsys):
+    from relbias.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--threads THREADS torch.set_num_threads (default: PyTorch's choice) --max-scores" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--batch BATCH batch size B (default: 1)" in text

@@ -25,10 +25,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "adds over its inputs) of relative-bias attention backends, of SDPA with the bias materialised, and of "
         "a Hugging-Face-style eager path, each as a ratio to bias-free SDPA measured in the same run ('x sdpa'). "
         "Warns when the machine was busy (1-minute load average).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     add_arguments(p)
     p.set_defaults(func=run)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, unless the help already says it or there is none to say (a None default,
+    an on/off flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default" in (action.help or "") or action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _positive_int(text: str) -> int:

@@ -1,7 +1,7 @@
 """``relbias build``: compile (or load) the toeplitz backend's native kernels ahead of the first call, say which
 build runs and where it is cached, and with ``--check`` compare it with the reference backend.
 
-The same command is ``python -m relbias.backends.build``. What is built and how is
+The same command is ``python -m relbias build``. What is built and how is
 :mod:`relbias.backends.toeplitz._build`.
 """
 
