@@ -115,3 +115,18 @@ def test_the_sources_compile_without_warnings():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             compile(path.read_text("utf-8"), str(path), "exec")
+
+
+def test_attn_mask_is_sdpas_name_for_mask_with_sdpas_meaning():
+    import torch.nn.functional as F
+
+    q, k, v = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    keep = torch.rand(1, 1, 5, 7) > 0.3
+    keep[..., 0] = True  # every query sees a key
+    for attn_mask in (keep, torch.zeros(1, 1, 5, 7).masked_fill(~keep, float("-inf"))):
+        got = relbias.attention(q, k, v, attn_mask=attn_mask)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask))
+        assert torch.equal(got, relbias.attention(q, k, v, mask=attn_mask))
+        assert relbias.explain_backend(q, k, v, attn_mask=attn_mask) == relbias.explain_backend(q, k, v, mask=attn_mask)
+    with pytest.raises(TypeError, match="both mask= and attn_mask=.*True = may attend"):
+        relbias.attention(q, k, v, mask=keep, attn_mask=keep)

@@ -197,6 +197,7 @@ def make_call(
     return_lse: bool = False,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> AttentionCall:
     """Validate the arguments of :func:`relbias.attention` and build its :class:`AttentionCall`.
 
@@ -211,6 +212,13 @@ def make_call(
     """
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {return_lse!r}")
+    if attn_mask is not None:
+        if mask is not None:
+            raise TypeError(
+                "got both mask= and attn_mask=: attn_mask is SDPA's name for mask (bool True = may attend, float "
+                "additive); pass one of them"
+            )
+        mask = attn_mask
     dropout = _dropout(dropout_p, generator)
     alignment, stamp = _attention_inputs.check_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start

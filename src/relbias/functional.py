@@ -27,6 +27,7 @@ def attention(
     return_lse: bool = False,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
@@ -68,21 +69,38 @@ def attention(
         key_start: absolute position (tokens) of the first key, the same.
         backend: "auto" (default): the small-block rule, then the first backend in
             ``relbias.backends.BACKENDS`` (priority order) that can run the call
-            (:func:`relbias.explain_backend` says which and why); or a name: "reference" materialises the
-            scores, the oracle; "blockwise": tiled, memory O(N·D), every bias module and mask;
-            "toeplitz": every offset-only bias with no mask, the bias as a strided view that is the additive
-            mask of the fused CPU flash kernel (CPU); "structured": far-constant biases (T5, clipped
-            per-offset) with no mask or a key padding mask, fused bias-free far parts plus a tiled band (CPU);
-            "decode": at most 16 queries, inference; "flex": FlexAttention, compiled.
+            (:func:`relbias.explain_backend` says which and why); or a name, each described here by its
+            ``summary`` (what ``explain_backend`` says; a backend that cannot run a call names its reasons):
+
+            * "decode": few queries (at most 16): the bias rows read by one fused kernel call (relbias' native
+              toeplitz forward, or CPU flash attention with the rows as its mask), as fast as bias-free attention;
+              inference
+            * "flex": FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory
+              O(N·D)
+            * "toeplitz": offset-only bias read from its per-offset values, no mask or a bool key padding mask,
+              dropout inside the native kernels: fused C++ FlashAttention-2 forward and backward (built on first
+              use; else PyTorch's CPU flash kernel with the bias as a strided view); memory O(N·D)
+            * "structured": far-constant bias: fused bias-free far parts (CPU flash kernel) plus a tiled band,
+              merged by log-sum-exp; memory O(N·D)
+            * "blockwise": tiled attention in PyTorch (online softmax, recomputing backward): any device, dtype,
+              bias module and mask; memory O(N·D)
+            * "reference": the reference materialises the (B, H, Lq, Lk) scores: runs every call, memory
+              O(B·H·Lq·Lk)
         return_lse: also return the log-sum-exp of each query's scores (default False).
         dropout_p: probability of dropping each attention probability (default 0.0: no dropout, and the call
             is exactly the undropped one), as SDPA's ``dropout_p``; kept probabilities are scaled by
             ``1 / (1 - dropout_p)``. The mask is counter-based, a hash of (seed, batch, head, query position,
             key position), so a backward pass regenerates it and every tiling drops the same entries; the
-            reference and blockwise backends run it (the fused ones refuse it). Applied whatever the
-            module's training mode: pass 0 for evaluation.
+            reference, blockwise and toeplitz (inside its native kernels, where they run) backends apply it,
+            decode, structured and flex refuse it. Applied whatever the module's training mode: pass 0 for
+            evaluation.
         generator: the torch.Generator from which the call's mask seed is drawn (default: torch's global RNG,
             so ``torch.manual_seed`` reproduces the mask).
+        attn_mask: SDPA's name for ``mask``, with the same meaning as in
+            ``torch.nn.functional.scaled_dot_product_attention`` and here: bool True = may attend, float
+            additive. (``torch.nn.MultiheadAttention``'s bool ``attn_mask``, and so
+            :class:`relbias.nn.MultiheadAttention`'s, has the opposite polarity: True = NOT allowed.) Pass
+            ``mask`` or ``attn_mask``, not both.
 
     Returns:
         out (B, H, Lq, Dv) in the dtype of ``query``; with ``return_lse=True`` the pair ``(out, lse)``,
@@ -97,7 +115,8 @@ def attention(
 
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,
-            a non-float bias tensor, non-int positions, a non-bool ``return_lse``, a ``generator`` that is not a torch.Generator.
+            a non-float bias tensor, non-int positions, a non-bool ``return_lse``, a ``generator`` that is not a
+            torch.Generator, both ``mask`` and ``attn_mask``.
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
             nor H; a non-finite bias tensor; a float mask with NaN or +inf, or of only 0s and 1s (a 0/1 keep mask
@@ -117,6 +136,7 @@ def attention(
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=generator,
+        attn_mask=attn_mask,
     )
     chosen, _ = resolve_backend(backend, call)
     out, lse = chosen.forward(call)

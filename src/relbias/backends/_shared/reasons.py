@@ -59,7 +59,7 @@ def dropout_reasons(call: AttentionCall, kernel: str) -> list[str]:
         return []
     return [
         f"attention dropout (dropout_p={call.dropout.p}) needs relbias' counter-based mask, which {kernel} does not "
-        f"draw; reference and blockwise apply it"
+        f"draw; reference, blockwise and toeplitz (where its native kernels run) apply it"
     ]
 
 

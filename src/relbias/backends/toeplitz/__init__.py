@@ -6,7 +6,7 @@ reversed and scaled, ``w`` (:func:`relbias.backends.toeplitz._view.reversed_bias
 ``w[Lq - 1 - i + j]``, so a query row reads a contiguous window of ``w`` and no (H, Lq, Lk) tensor is ever formed.
 
 Forward and backward are fused C++ kernels (:mod:`relbias.backends.toeplitz._native`, compiled on first use with
-``torch.utils.cpp_extension``: about 45 s once per machine kind; they need a C++ compiler with OpenMP and
+``torch.utils.cpp_extension``: about 50 s on 2 cores once per machine kind; they need a C++ compiler with OpenMP and
 ``ninja``): FlashAttention-2's forward (Dao 2023, Alg. 1; online softmax over key tiles, causal tiles beyond the
 diagonal skipped) and backward (Alg. 2; ``P`` and ``dS = P * (dP - D)`` formed once per (query tile, key tile),
 giving dq, dk, dv and the bias gradient ``dPE(t) = sum_{i - j = t} dS_ij`` in one elementwise pass), parallel over
@@ -72,8 +72,9 @@ class ToeplitzBackend(Backend):
 
     name = "toeplitz"
     summary = (
-        "offset-only bias read from its per-offset values: fused C++ FlashAttention-2 forward and backward (built on "
-        "first use; else PyTorch's CPU flash kernel with the bias as a strided view); memory O(N·D)"
+        "offset-only bias read from its per-offset values, no mask or a bool key padding mask, dropout inside the "
+        "native kernels: fused C++ FlashAttention-2 forward and backward (built on first use; else PyTorch's CPU "
+        "flash kernel with the bias as a strided view); memory O(N·D)"
     )
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:

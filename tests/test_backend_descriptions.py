@@ -1,0 +1,42 @@
+"""The backends as the docs describe them are the backends as the code describes itself: ``relbias.attention``'s
+docstring (and so the API reference) gives each built-in backend's ``summary`` word for word, the backends page has a
+row for each, and a refusal of dropout names the backends that apply it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import relbias
+from relbias.backends import BACKENDS
+from relbias.backends.toeplitz import _native
+
+BUILT_IN = ["decode", "flex", "toeplitz", "structured", "blockwise", "reference"]
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("name", BUILT_IN)
+def test_the_attention_docstring_gives_each_backends_summary(name):
+    assert f'* "{name}": {_words(BACKENDS[name].summary)}' in _words(relbias.attention.__doc__)
+
+
+def test_the_backends_page_has_a_row_for_each_backend():
+    page = (Path(__file__).resolve().parents[1] / "docs" / "backends.md").read_text()
+    assert all(f"| `{name}` |" in page for name in BUILT_IN)
+    assert list(BACKENDS)[: len(BUILT_IN)] == BUILT_IN  # the priority order the docstring lists
+
+
+def test_dropout_refusals_name_the_backends_that_apply_it_and_they_do():
+    q = torch.randn(1, 2, 64, 8)
+    bias = relbias.T5Bias(2, bidirectional=False)
+    with pytest.raises(ValueError, match="reference, blockwise and toeplitz") as refused:
+        relbias.attention(q, q, q, bias=bias, is_causal=True, dropout_p=0.1, backend="structured")
+    assert "dropout" in str(refused.value)
+    applying = ["reference", "blockwise"] + (["toeplitz"] if _native.load_native() is not None else [])
+    for name in applying:
+        relbias.explain_backend(q, q, q, bias=bias, is_causal=True, dropout_p=0.1, backend=name)  # runs: no error
