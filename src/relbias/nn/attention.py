@@ -10,6 +10,7 @@ from ..backends import BACKENDS
 from ..biases.base import CONVENTIONS, RelativeBias
 from ..functional import attention, attention_with_weights
 from .cache import KVCache, StaticKVCache, _check_query_position
+from .torch_layer import from_torch_layer, join_names, translate_torch_state
 
 __all__ = ["MultiheadAttention"]
 
@@ -28,8 +29,9 @@ class MultiheadAttention(nn.Module):
     :class:`torch.nn.MultiheadAttention` with the same meaning (layout set by ``batch_first``, default
     False = (L, B, E) as in torch; unbatched (L, E) inputs; key padding mask True = padding; bool
     ``attn_mask`` True = NOT allowed) and returns ``(output, weights or None)``. Without a position
-    bias it computes what torch's module computes with the same weights (copy
-    ``q_proj``/``k_proj``/``v_proj`` into torch's ``in_proj_weight``). The relbias extras are keyword
+    bias it computes what torch's module computes with the same weights: :meth:`from_torch` converts a
+    trained torch layer, and ``load_state_dict`` also takes torch's state dict (``in_proj_weight`` is split into
+    ``q_proj``/``k_proj``/``v_proj``). The relbias extras are keyword
     arguments: ``position_bias``, ``cross_attention``, ``backend``, ``convention``, ``scale`` here and
     ``cache``, ``cache_position`` in :meth:`forward`; ``process_group``, ``cp_layout``, ``cp_strategy``
     run it context-parallel on sequence shards (below).
@@ -94,7 +96,8 @@ class MultiheadAttention(nn.Module):
             ``sync_bias_grads`` of :func:`relbias.distributed.context_parallel_attention`).
 
     Not supported (a TypeError for the unexpected keyword, never a silent difference): torch's
-    ``dropout``, ``bias`` (here ``proj_bias``), ``add_bias_kv``, ``add_zero_attn``.
+    ``dropout``, ``bias`` (here ``proj_bias``), ``add_bias_kv``, ``add_zero_attn`` (:meth:`from_torch` refuses a
+    torch layer that uses them, a ValueError).
 
     Raises:
         ValueError: sizes < 1, ``embed_dim`` not divisible by ``num_heads``, an unknown backend or
@@ -181,6 +184,74 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(kdim, embed_dim, bias=proj_bias, **factory)
         self.v_proj = nn.Linear(vdim, embed_dim, bias=proj_bias, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=proj_bias, **factory)
+
+    @classmethod
+    def from_torch(
+        cls, module: nn.MultiheadAttention, *, position_bias: RelativeBias | None = None, **kwargs: object
+    ) -> MultiheadAttention:
+        """A relbias layer with the configuration and weights of a :class:`torch.nn.MultiheadAttention`.
+
+        Multi-head attention as in Vaswani et al. 2017, "Attention Is All You Need", §3.2.2:
+        ``out_proj(concat_h softmax(q_h k_h^T / sqrt(head_dim)) v_h)``. The result has ``module``'s ``embed_dim``,
+        ``num_heads``, ``kdim``, ``vdim``, ``batch_first``, projection biases (torch's ``bias``, here
+        ``proj_bias``), parameter dtype and device, training mode and each parameter's ``requires_grad``. The
+        weights are copied exactly (no storage is shared with ``module``): torch's ``in_proj_weight`` (3·E, E) is
+        split, in this order, into ``q_proj.weight``, ``k_proj.weight`` and ``v_proj.weight`` (E, E) each -- or,
+        when ``kdim`` or ``vdim`` differs from ``embed_dim``, ``q_proj_weight`` (E, E), ``k_proj_weight``
+        (E, kdim) and ``v_proj_weight`` (E, vdim) are copied -- and ``in_proj_bias`` (3·E,) into the three (E,)
+        biases; ``out_proj.weight`` (E, E) and ``out_proj.bias`` (E,) are copied as they are.
+
+        With ``position_bias=None`` the result's :meth:`forward` computes what ``module``'s does for the same
+        call, up to rounding (another code path), with the differences :meth:`forward` documents: a query with no
+        visible key gives ``out_proj`` of zero where torch gives NaN, and ``is_causal=True`` needs no
+        ``attn_mask``. A relbias layer built with the same sizes also loads torch's state dict directly
+        (``layer.load_state_dict(module.state_dict())``, the keys translated as above; a position bias's
+        parameters are then missing from it: ``strict=False``); ``bias_k``/``bias_v`` in it are an error.
+
+        Args:
+            module: the torch layer (not modified).
+            position_bias: a :class:`relbias.RelativeBias` with 1 or ``num_heads`` heads, or None (default: no
+                position bias, torch's scores).
+            **kwargs: the constructor's other keyword arguments (``is_causal``, ``cross_attention``, ``backend``,
+                ``convention``, ``scale``, ``process_group``, ``cp_layout``, ``cp_strategy``,
+                ``cp_sync_bias_grads``) with the constructor's defaults, except ``convention``: default
+                "additive", torch's scaled scores ``(q·k) / sqrt(head_dim)`` with the bias added unscaled, so that
+                the trained weights keep their scores (a bias module's own convention, e.g. T5Bias's unscaled
+                "t5", would change them). Keys and values of another length than the query (torch's
+                cross-attention) need ``cross_attention=True``.
+
+        Returns:
+            A :class:`MultiheadAttention` whose parameters have ``module``'s dtype and device.
+
+        Raises:
+            TypeError: ``module`` is not a :class:`torch.nn.MultiheadAttention`; a keyword that ``module`` decides
+                (``embed_dim``, ``num_heads``, ``kdim``, ``vdim``, ``batch_first``, ``proj_bias``, ``device``,
+                ``dtype``: convert the result instead, e.g. ``layer.to(dtype)``); ``bias`` (the position bias is
+                ``position_bias``); a keyword the constructor does not take (torch's ``dropout``, ...).
+            ValueError: what relbias' layer cannot carry over, each named with its value: ``add_bias_kv=True``
+                (``bias_k``, ``bias_v``), ``add_zero_attn=True``, a ``dropout`` other than 0 (relbias' layer has
+                no attention dropout; where the layer runs without it, e.g. for inference, set
+                ``module.dropout = 0.0`` first), ``in_proj_bias`` without ``out_proj.bias`` or the reverse,
+                parameters of several dtypes or on several devices, parameters or buffers torch's layer does not
+                have (a subclass's); and every error of the constructor.
+
+        Example:
+            >>> import torch
+            >>> from relbias.nn import MultiheadAttention
+            >>> torch_layer = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+            >>> layer = MultiheadAttention.from_torch(torch_layer)   # position_bias=... adds a relative bias
+            >>> x = torch.randn(2, 10, 64)
+            >>> torch.allclose(layer(x, x, x)[0], torch_layer(x, x, x)[0], atol=1e-5)
+            True
+        """
+        return from_torch_layer(cls, module, position_bias, kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """``nn.Module``'s, after translating a :class:`torch.nn.MultiheadAttention` state dict's keys (in place)."""
+        translate_torch_state(state_dict, prefix, self.embed_dim, error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -271,8 +342,9 @@ class MultiheadAttention(nn.Module):
 
         Raises:
             TypeError: a non-tensor input; a query, key or value that is not floating point, or (outside
-                ``torch.autocast``) whose dtype differs from the layer's parameters; a mask that is
-                neither bool nor float.
+                ``torch.autocast``) whose dtype differs from the layer's parameters (the message names each such
+                input and its dtype, and the inputs that have the parameters' dtype); a mask that is neither bool
+                nor float.
             ValueError: wrong ranks (key/value of another rank than query) or feature sizes; inputs on
                 another device than the layer's parameters; a self-attention key of another length than
                 the query; key and value of different lengths; missing memory for cross-attention; a
@@ -280,6 +352,7 @@ class MultiheadAttention(nn.Module):
                 of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot evaluate with
                 clipping off).
         """
+        self._check_input_dtypes(query, key, value)
         if cu_seqlens is not None:
             return self._forward_packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
                                         cache, cache_position, cu_seqlens)
@@ -490,17 +563,44 @@ class MultiheadAttention(nn.Module):
         return k, v
 
     def _check_like_parameters(self, name: str, x: torch.Tensor) -> None:
-        """``x`` must be floating point, on the parameters' device and (outside autocast) of their dtype."""
+        """``x`` must be floating point and on the parameters' device (dtypes: :meth:`_check_input_dtypes`)."""
         weight = self.q_proj.weight
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
         if x.device != weight.device:
             raise ValueError(f"{name} is on {x.device} but the layer's parameters are on {weight.device}; move one of them")
-        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise TypeError(
-                f"{name} is {x.dtype} but the layer's parameters are {weight.dtype}; convert one of them "
-                f"(e.g. layer.to({x.dtype})) or run under torch.autocast"
-            )
+
+    def _check_input_dtypes(self, query: object, key: object, value: object) -> None:
+        """Outside ``torch.autocast``, the floating-point tensors among ``query``, ``key`` and ``value`` (those given)
+        must have the parameters' dtype. O(1): dtypes only.
+
+        Raises:
+            TypeError: naming every input whose dtype differs, its dtype, the parameters' dtype and the inputs that
+                have it, e.g. "key is torch.float32 but the layer's parameters are torch.bfloat16, as is query".
+                Non-tensor and non-float inputs are left to the later checks (which name them).
+        """
+        expected = self.q_proj.weight.dtype
+        given = [(name, x) for name, x in (("query", query), ("key", key), ("value", value))
+                 if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        wrong = [(name, x.dtype) for name, x in given
+                 if x.dtype != expected and not torch.is_autocast_enabled(x.device.type)]
+        if not wrong:
+            return
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, dtype in wrong:
+            by_dtype.setdefault(dtype, []).append(name)
+        right = [name for name, x in given if x.dtype == expected]
+        stated = " and ".join(f"{join_names(names)} {'is' if len(names) == 1 else 'are'} {dtype}"
+                              for dtype, names in by_dtype.items())
+        message = f"{stated} but the layer's parameters are {expected}"
+        if right:
+            message += f", as {'is' if len(right) == 1 else 'are'} {join_names(right)}"
+        message += (f": query, key and value must all have the parameters' dtype {expected} (outside torch.autocast); "
+                    f"convert {join_names([name for name, _ in wrong])} with .to({expected})")
+        if len(by_dtype) == 1:
+            (other,) = by_dtype
+            message += f", or {join_names(['the layer', *right])} with .to({other})"
+        raise TypeError(message + ", or run under torch.autocast")
 
     def _merge_masks(self, kpm, attn_mask, batch: int, q_len: int, s_len: int, batched: bool, q: torch.Tensor):
         """torch's key_padding_mask and attn_mask -> one relbias mask broadcastable to (B, H, Lq, S).
