@@ -220,10 +220,12 @@ class RelativeBias(nn.Module):
         return native
 
     def __getstate__(self) -> dict:
-        """The module's state for ``copy.deepcopy``, pickling and ``torch.save``: that of any module, less the memo
-        of the last native form (which may hold a loaded native extension module), rebuilt on the next call."""
+        """The module's state for ``copy.deepcopy``, pickling and ``torch.save``: that of any module, less what is
+        only valid for this object in this process, rebuilt or redone on the next call: the memo of the last native
+        form, and the stamp (storage addresses, version counters) of the parameters last found finite."""
         state = super().__getstate__()
         state.pop("_native_memo", None)
+        state.pop("_finite_stamp", None)
         return state
 
     def _memo_key(self, alignment, device, stamp=None) -> tuple | None:

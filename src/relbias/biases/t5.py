@@ -84,6 +84,14 @@ class T5Bias(TableBias):
                 tables[key] = table
         return table[offsets.clamp(-r, r) + r]
 
+    def __getstate__(self) -> dict:
+        """:class:`RelativeBias`'s, less the bucket tables of :meth:`index`: they are keyed by device name, and
+        ``torch.load(map_location=...)`` would move them to another device under the old key (a meta table then
+        makes every lookup read uninitialised memory); rebuilt on the next call."""
+        state = super().__getstate__()
+        state.pop("_bucket_tables", None)
+        return state
+
     def bucket_ranges(self) -> list[tuple[int, int | None, int | None]]:
         """Offsets per bucket, as :func:`relbias.t5_bucket_ranges`."""
         return t5_bucket_ranges(

@@ -158,6 +158,15 @@ class _PatchState:
     handles: list = field(default_factory=list)  # forward (pre-)hook handles (context parallelism)
     replaced_generate: bool = False  # an instance-level generate refusing under context parallelism
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling a patched model (``torch.load``, ``pickle``) registers the attention function its layers name,
+        as :func:`patch_t5` did: a process that never called ``patch_t5`` has no ``"relbias_t5"`` in transformers'
+        ``AttentionInterface``."""
+        self.__dict__.update(state)
+        from transformers.modeling_utils import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPLEMENTATION, relbias_t5_attention)
+
 
 def _backend_names() -> set[str]:
     """Names :func:`relbias.attention` accepts now: the registered backends and its default ("auto" once it exists)."""
