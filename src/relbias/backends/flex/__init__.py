@@ -195,7 +195,8 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     """Attention with a relative bias through FlexAttention, on a call :class:`FlexBackend` accepts.
 
     Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) -> out (B, H, Lq, Dv) in the dtype
-    of ``query`` and lse (B, H, Lq) float32, -inf for a query with no visible key (None unless
+    of ``query`` and lse (B, H, Lq) float32 (float64 for float64 inputs, as the bias and the mask's finite values),
+    -inf for a query with no visible key (None unless
     ``call.return_lse``); formula as :func:`relbias.attention` (for "seed" the bias is multiplied by
     ``scale``). Inputs are padded to :func:`bucket` lengths (copies of O(B·H·L·D)).
 
@@ -210,17 +211,18 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     delta = torch.tensor(call.delta, device=device)
     key_len = torch.tensor(lk, device=device)
     values = None
+    accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
     if bias is not None:
         native = bias.native(lq, lk, query_start=alignment.query_start, key_start=alignment.key_start, device=device)
         # Column n = q_idx - kv_idx + (pk - 1) of the padded vector holds offset delta + q_idx - kv_idx, i.e.
         # native column n - (pk - lk); padded entries are 0 (their keys are masked, their queries dropped).
-        values = torch.zeros(native.values.shape[0], pq + pk - 1, dtype=torch.float32, device=device)
-        values[:, pk - lk : pk - lk + lq + lk - 1] = native.values.float() * call.bias_scale  # logits
+        values = torch.zeros(native.values.shape[0], pq + pk - 1, dtype=accumulate, device=device)
+        values[:, pk - lk : pk - lk + lq + lk - 1] = native.values.to(accumulate) * call.bias_scale  # logits
     shared = values is not None and values.shape[0] == 1
     float_mask = mask is not None and mask.is_floating_point()
     finite = visible = None
     if mask is not None:
-        finite = mask.masked_fill(mask == float("-inf"), 0.0).float() if float_mask else None
+        finite = mask.masked_fill(mask == float("-inf"), 0.0).to(accumulate) if float_mask else None
         visible = mask != float("-inf") if float_mask else mask
         visible = _pad_to(_pad_to(visible, 2, pq, False, broadcast=True), 3, pk, False, broadcast=True)
         finite = None if finite is None else _pad_to(_pad_to(finite, 2, pq, broadcast=True), 3, pk, broadcast=True)
@@ -264,7 +266,7 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
         lse = aux.lse
     else:
         out, lse = _run(q, k, v, return_lse=True, **kwargs)
-    return out[:, :, :lq], lse[:, :, :lq].float()
+    return out[:, :, :lq], lse[:, :, :lq].to(accumulate)
 
 
 class FlexBackend(Backend):
