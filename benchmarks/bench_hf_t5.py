@@ -22,6 +22,11 @@ Usage::
     python benchmarks/bench_hf_t5.py                         # lengths 128 512 2048 4096, batch 1
     python benchmarks/bench_hf_t5.py --batch 8 --threads 2
     python benchmarks/bench_hf_t5.py --lengths 4096 8192 --repeats 2 --backend auto
+    python benchmarks/bench_hf_t5.py --batch 8 --lengths 4096 --variants unpatched patched bias-free
+
+The ``bias-free`` variant is a bound, not a model: the patched model with every self-attention call running
+bias-free SDPA (bias and mask dropped; wrong outputs), i.e. what the encoder would cost if the relative bias were
+free. No exact implementation of the bias beats it, so ``unpatched / bias-free`` is the most any patch can gain.
 
 Targets: the patched model no slower than unpatched at every length and batch size, >= 1.8x faster and >= 5x less
 extra memory at 4096 tokens.
@@ -64,6 +69,20 @@ def run_child(args: argparse.Namespace) -> dict:
 
         patch_t5(model, backend=args.backend)
         backend_used = _backend_choice(model, args)
+    elif args.variant == "bias-free":  # the bound: patched, then attention without the bias (this process only)
+        import torch.nn.functional as F
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        from relbias.integrations.transformers import ATTN_IMPLEMENTATION, patch_t5
+
+        patch_t5(model)
+
+        def bias_free(module, query, key, value, *args, **kwargs):
+            out = F.scaled_dot_product_attention(query, key, value, scale=1.0)
+            return out.transpose(1, 2).contiguous(), None
+
+        ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = bias_free
+        backend_used = "bias-free SDPA (a bound)"
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(1))
 
     with torch.inference_mode():
@@ -124,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default=None,
                         help="relbias backend for the patched model (default: relbias.attention's default, 'auto')")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"], choices=["unpatched", "patched"])
+    parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"],
+                        choices=["unpatched", "patched", "bias-free"])
     parser.add_argument("--json", help="also write the raw results to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="patched", help=argparse.SUPPRESS)
@@ -159,7 +179,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  L={length:5d} {variant:9s} median {r['median_ms']:9.1f} ms wall, {r['cpu_ms']:9.1f} ms CPU "
                   f"(first {r['first_ms']:9.1f} ms)  extra {r['extra_mib']:8.1f} MiB  threads {r['threads']}  "
                   f"{r['isa']}  {r['backend'] or ''}")
-        if len(row) == 2:
+        if "unpatched" in row and "bias-free" in row:
+            bound = row["unpatched"]["median_ms"] / row["bias-free"]["median_ms"]
+            print(f"  L={length:5d} bound     {bound:6.2f}x faster (wall) with attention as free as bias-free SDPA "
+                  f"(unpatched / bias-free)")
+        if "unpatched" in row and "patched" in row:
             plain, patched = row["unpatched"], row["patched"]
             speed = plain["median_ms"] / patched["median_ms"]
             cpu = plain["cpu_ms"] / patched["cpu_ms"]
