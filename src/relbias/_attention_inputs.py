@@ -41,7 +41,9 @@ def _explain_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     if not (b == bk == bv):
         raise ValueError(f"batch sizes differ: query {b}, key {bk}, value {bv}")
     if not (h == hk == hv):
-        raise ValueError(f"num_heads differ: query {h}, key {hk}, value {hv}")
+        grouped = hk == hv and hk > 0 and h % hk == 0
+        hint = "; for grouped-query attention (key/value heads shared by groups of query heads) pass enable_gqa=True"
+        raise ValueError(f"num_heads differ: query {h}, key {hk}, value {hv}" + (hint if grouped else ""))
     if d != dk:
         raise ValueError(f"head_dim differs: query {d}, key {dk}")
     if lk != lv:

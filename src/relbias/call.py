@@ -15,6 +15,7 @@ import torch
 
 from . import _attention_inputs
 from ._dropout import Dropout
+from ._gqa import expand_kv_heads
 from .biases.base import RelativeBias
 from .positions import Alignment
 
@@ -198,6 +199,7 @@ def make_call(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     attn_mask: torch.Tensor | None = None,
+    enable_gqa: bool = False,
 ) -> AttentionCall:
     """Validate the arguments of :func:`relbias.attention` and build its :class:`AttentionCall`.
 
@@ -219,6 +221,7 @@ def make_call(
                 "additive); pass one of them"
             )
         mask = attn_mask
+    key, value = expand_kv_heads(query, key, value, enable_gqa)
     dropout = _dropout(dropout_p, generator)
     alignment, stamp = _attention_inputs.check_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start

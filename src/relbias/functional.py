@@ -28,6 +28,7 @@ def attention(
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     attn_mask: torch.Tensor | None = None,
+    enable_gqa: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
@@ -50,8 +51,8 @@ def attention(
 
     Args:
         query: (B, H, Lq, D), float16/bfloat16/float32/float64.
-        key: (B, H, Lk, D), same dtype and device as ``query``.
-        value: (B, H, Lk, Dv), same dtype and device.
+        key: (B, H, Lk, D), same dtype and device as ``query``; (B, Hkv, Lk, D) with ``enable_gqa``.
+        value: (B, H, Lk, Dv), same dtype and device; (B, Hkv, Lk, Dv) with ``enable_gqa``.
         bias: ``None``; a :class:`relbias.RelativeBias` module (T5Bias, PerOffsetBias, FunctionBias ...),
             evaluated at the block's offsets; or a float tensor broadcastable to (B, H, Lq, Lk), logits.
         mask: ``None``; bool broadcastable to (B, H, Lq, Lk), True = may attend; or float, additive,
@@ -101,6 +102,10 @@ def attention(
             additive. (``torch.nn.MultiheadAttention``'s bool ``attn_mask``, and so
             :class:`relbias.nn.MultiheadAttention`'s, has the opposite polarity: True = NOT allowed.) Pass
             ``mask`` or ``attn_mask``, not both.
+        enable_gqa: grouped-query attention (Ainslie et al. 2023), as SDPA's ``enable_gqa``: key and value have
+            Hkv heads, H a multiple of Hkv, and query head ``h`` reads key/value head ``h // (H // Hkv)``. Default
+            False (equal head counts). Key and value are repeated to H heads before the backend runs (a copy of
+            O(B·H·Lk·D) per call, as SDPA's math path does); the bias and the mask have H (or 1) heads.
 
     Returns:
         out (B, H, Lq, Dv) in the dtype of ``query``; with ``return_lse=True`` the pair ``(out, lse)``,
@@ -116,12 +121,13 @@ def attention(
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,
             a non-float bias tensor, non-int positions, a non-bool ``return_lse``, a ``generator`` that is not a
-            torch.Generator, both ``mask`` and ``attn_mask``.
+            torch.Generator, both ``mask`` and ``attn_mask``, a non-bool ``enable_gqa``.
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
             nor H; a non-finite bias tensor; a float mask with NaN or +inf, or of only 0s and 1s (a 0/1 keep mask
             is passed as ``mask.bool()``); a non-positive scale, or a
-            scale other than 1 with "t5"; an unknown convention or backend; ``dropout_p`` outside [0, 1);  a named backend that cannot
+            scale other than 1 with "t5"; with ``enable_gqa``, key and value head counts that differ or do not
+            divide the query's; an unknown convention or backend; ``dropout_p`` outside [0, 1);  a named backend that cannot
             run the call (the message says why); arguments on different
             devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;
             offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off).
@@ -136,7 +142,7 @@ def attention(
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=generator,
-        attn_mask=attn_mask,
+        attn_mask=attn_mask, enable_gqa=enable_gqa,
     )
     chosen, _ = resolve_backend(backend, call)
     out, lse = chosen.forward(call)
