@@ -311,16 +311,35 @@ def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
     return bool(getattr(config, "output_attentions", False))
 
 
-def _family(model: nn.Module) -> tuple[str, type]:
-    """The modeling family of a supported model class and its attention class."""
+def _stack_holder(model: nn.Module) -> tuple[nn.Module, type]:
+    """The module whose ``encoder`` / ``decoder`` are T5-family stacks (``model`` itself, or the first submodule in
+    ``named_modules`` order that has them: a T5 model inside a task head or a user's wrapper, or a wrapper holding
+    ``T5Stack`` s directly) and the family's attention class, told by the stacks' self-attention modules."""
     import importlib
 
-    for family, (attention_name, model_names) in _FAMILIES.items():
+    attentions = {}
+    for family, (attention_name, _) in _FAMILIES.items():
         modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-        if isinstance(model, tuple(getattr(modeling, name) for name in model_names)):
-            return family, getattr(modeling, attention_name)
-    supported = ", ".join(name for _, names in _FAMILIES.values() for name in names)
-    raise TypeError(f"patch_t5 does not support {type(model).__name__}; supported model classes: {supported}")
+        attentions[getattr(modeling, attention_name)] = family
+    for path, module in model.named_modules():
+        try:
+            stacks = self_attention_modules(module)
+        except TypeError:
+            continue
+        found = type(next(iter(stacks.values()))[0])
+        if found in attentions:
+            return module, found
+        where = f"{type(model).__name__}.{path}" if path else type(model).__name__
+        raise TypeError(
+            f"{where} has encoder/decoder stacks whose self-attention is {found.__name__}, not one of "
+            f"{', '.join(cls.__name__ for cls in attentions)} (T5, mT5, UMT5, Switch Transformers, Pop2Piano); "
+            f"patch_t5 cannot run it"
+        )
+    raise TypeError(
+        f"patch_t5 found no T5-family stack in {type(model).__name__}: no module with 'encoder' / 'decoder' stacks of "
+        f"block[i].layer[0].SelfAttention (T5, mT5, UMT5, Switch Transformers and Pop2Piano models, and any module "
+        f"holding them or their stacks); LongT5, UDOP and Pix2Struct use the T5 bias with another attention or layout"
+    )
 
 
 def _check_layout(attention_cls: type) -> None:
@@ -399,7 +418,11 @@ def patch_t5(
         model: a transformers ``T5Model``, ``T5ForConditionalGeneration``, ``T5EncoderModel`` or the ``MT5...`` /
             ``UMT5...`` / ``SwitchTransformers...`` equivalent, or a ``Pop2PianoForConditionalGeneration`` (their
             self-attention is transformers' T5Attention), loaded with ``attn_implementation`` "sdpa" (the default)
-            or "eager" (Switch Transformers has eager only). Patched in place; the same model is returned.
+            or "eager" (Switch Transformers has eager only); or any module holding one (a task head such as
+            ``T5ForSequenceClassification``, a user's wrapper) or holding their stacks directly (``encoder`` /
+            ``decoder`` attributes that are ``T5Stack`` s, as forecasting models such as Chronos-Bolt build): the
+            first module in ``named_modules`` order with such stacks is patched. Patched in place; the same model is
+            returned.
         backend: relbias backend for every self-attention layer: ``"auto"`` or a key of
             ``relbias.backends.BACKENDS``; default None: :func:`relbias.attention`'s default, read at each call
             (``"auto"``: the dispatcher picks by device, dtype, grad mode, mask and length).
@@ -435,8 +458,9 @@ def patch_t5(
         ImportError: transformers is not installed.
         RuntimeError: a transformers version outside :data:`SUPPORTED_TRANSFORMERS`, or a T5 attention layout this
             patch does not know.
-        TypeError: an unsupported model class (LongT5, UDOP and Pix2Struct use the T5 bias with another attention
-            or layout; the message lists the supported classes); a ``process_group`` that is not a process group,
+        TypeError: no T5-family stack in ``model``, or stacks with another self-attention (LongT5, UDOP and
+            Pix2Struct use the T5 bias with another attention or layout; the message names the class found); a
+            ``process_group`` that is not a process group,
             a DeviceMesh or None; a non-bool ``sync_bias_grads``.
         ValueError: the model is already patched; an attention implementation other than "sdpa" / "eager"; an
             unknown backend; a DeviceMesh of more than one dimension as ``process_group``.
@@ -444,7 +468,7 @@ def patch_t5(
     check_transformers_version()
     from transformers.modeling_utils import AttentionInterface
 
-    _, attention_cls = _family(model)
+    holder, attention_cls = _stack_holder(model)
     _check_layout(attention_cls)
     if is_patched(model):
         raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_t5(model) first")
@@ -468,9 +492,9 @@ def patch_t5(
         group = resolve_group(process_group, argument="process_group")
         parallel = _ContextParallel(group, layout, strategy, sync_bias_grads)
 
-    stacks = self_attention_modules(model)
+    stacks = self_attention_modules(holder)
     for name, attentions in stacks.items():
-        implementation = getattr(model, name).config._attn_implementation
+        implementation = getattr(holder, name).config._attn_implementation
         if implementation not in _MASK_IMPLEMENTATIONS:
             raise ValueError(
                 f"{name} uses attn_implementation={implementation!r}; patch_t5 reads the masks of "
@@ -481,20 +505,20 @@ def patch_t5(
                 raise TypeError(f"{name} layer {layer} is a {type(module).__name__}, expected {attention_cls.__name__}")
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, relbias_t5_attention)
-    biases = t5_biases_from_model(model, share_weights=True)
+    biases = t5_biases_from_model(holder, share_weights=True)
     state = _PatchState(backend=backend, configs=[], hooked=[], parallel=parallel)
     for name, attentions in stacks.items():
-        patched_config = copy.copy(getattr(model, name).config)
+        patched_config = copy.copy(getattr(holder, name).config)
         patched_config._attn_implementation = ATTN_IMPLEMENTATION
         for module, bias in zip(attentions, biases.stack(name)):
             state.configs.append((module, module.config))
             module.config = patched_config
-            module._relbias_stack_config = getattr(model, name).config  # what transformers' recorder reads
+            module._relbias_stack_config = getattr(holder, name).config  # what transformers' recorder reads
             if module.has_relative_attention_bias:
                 module.compute_bias = functools.partial(_compute_bias, module, bias, state)
                 state.hooked.append(module)
     if parallel is not None:
-        decoder = getattr(model, "decoder", None)
+        decoder = getattr(holder, "decoder", None)
         if decoder is not None:
             state.handles.append(decoder.register_forward_pre_hook(_gather_encoder_states(parallel), with_kwargs=True))
             state.handles.append(model.register_forward_pre_hook(_refuse_labels, with_kwargs=True))
