@@ -111,3 +111,25 @@ def test_stacks_with_another_attention_are_refused_by_name(hf):
     config = transformers.LongT5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
     with pytest.raises(TypeError, match="no T5-family stack in LongT5EncoderModel.*LongT5"):
         patch_t5(transformers.LongT5EncoderModel(config))
+
+
+def test_chronos_bolt_forecasts_as_unpatched(hf, monkeypatch):
+    """chronos-forecasting's Chronos-Bolt (T5 stacks behind patch embeddings and quantile heads), from a config."""
+    bolt = pytest.importorskip("chronos.chronos_bolt", reason="chronos-forecasting is not installed")
+    config = hf.tiny_config(
+        "t5", dense_act_fn="relu", feed_forward_proj="relu",
+        chronos_config=dict(context_length=64, prediction_length=8, input_patch_size=4, input_patch_stride=4,
+                            quantiles=[0.1, 0.5, 0.9], use_reg_token=True),
+    )
+    torch.manual_seed(0)
+    plain = bolt.ChronosBoltModelForForecasting(config).eval()
+    patched = patch_t5(copy.deepcopy(plain))
+    calls = []
+    real = integration.attention
+    monkeypatch.setattr(integration, "attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    context = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).cumsum(-1)
+    context[0, :10] = float("nan")  # missing values: Chronos-Bolt masks them
+    with torch.no_grad():
+        got, want = patched(context).quantile_preds, plain(context).quantile_preds
+    assert got.shape == (3, 3, 8) and len(calls) == 4
+    assert_rounding_close(got, want, n=64)
