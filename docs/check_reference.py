@@ -10,7 +10,9 @@ import importlib
 import pathlib
 import sys
 
-MODULES = ("relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers")
+MODULES = (
+    "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.mpnet"
+)
 
 
 def missing_names(site: pathlib.Path) -> list[str]:

@@ -48,8 +48,10 @@ __all__ = [
     "T5PositionBias",
     "check_transformers_version",
     "is_patched",
+    "patch",
     "relbias_t5_attention",
     "patch_t5",
+    "unpatch",
     "unpatch_t5",
 ]
 
@@ -353,8 +355,58 @@ def _check_layout(attention_cls: type) -> None:
 
 
 def is_patched(model: nn.Module) -> bool:
-    """True when :func:`patch_t5` has patched ``model`` and :func:`unpatch_t5` has not undone it."""
+    """True when :func:`patch_t5` (or :func:`patch`) has patched ``model`` and :func:`unpatch_t5` (:func:`unpatch`)
+    has not undone it; for MPNet, :func:`relbias.integrations.mpnet.is_mpnet_patched`."""
     return isinstance(getattr(model, _STATE_ATTR, None), _PatchState)
+
+
+def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+    """Make a transformers model with an offset-only relative bias compute its attention with relbias.
+
+    Recognises, in this order: the T5 family and any module holding its stacks (:func:`patch_t5`: T5, mT5, UMT5,
+    Switch Transformers, Pop2Piano, task heads and wrappers, Chronos-Bolt), then MPNet and any module holding an
+    ``MPNetEncoder`` (:func:`relbias.integrations.mpnet.patch_mpnet`: every MPNet head, a sentence-transformers
+    ``SentenceTransformer``). Outputs equal the unpatched model's up to float rounding; ``state_dict`` and
+    ``save_pretrained`` are unchanged.
+
+    Args:
+        model: the model, patched in place.
+        backend: a relbias backend name, or None (default): :func:`relbias.attention`'s default ("auto").
+
+    Returns:
+        ``model``, patched.
+
+    Raises:
+        TypeError: no architecture relbias patches in ``model`` (the message lists them); and the errors of the
+            patch that applies.
+        ValueError: as that patch (already patched, unknown backend, ...).
+    """
+    from .mpnet import mpnet_encoder, patch_mpnet
+
+    check_transformers_version()
+    try:
+        _stack_holder(model)
+    except TypeError as refusal:
+        if mpnet_encoder(model) is not None:
+            return patch_mpnet(model, backend=backend)
+        raise TypeError(
+            f"relbias patches T5-family models (and modules holding their stacks) and MPNet models (and modules "
+            f"holding an MPNetEncoder); {type(model).__name__} is neither: {refusal}"
+        ) from None
+    return patch_t5(model, backend=backend)
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch`: transformers' own attention again, exactly.
+
+    Raises:
+        ValueError: ``model`` is not patched by relbias.
+    """
+    from .mpnet import is_mpnet_patched, unpatch_mpnet
+
+    if is_mpnet_patched(model):
+        return unpatch_mpnet(model)
+    return unpatch_t5(model)
 
 
 def _gather_encoder_states(parallel: _ContextParallel):
