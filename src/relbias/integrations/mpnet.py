@@ -14,7 +14,7 @@ and adds it in every layer's eager attention. :func:`patch_mpnet` replaces, on t
   ``relative_attention_bias`` parameter) instead of a tensor, which transformers hands to every layer;
 * each ``MPNetSelfAttention.forward`` by one that calls :func:`relbias.attention` with that bias and the layer's
   mask (transformers' additive float mask, converted to a bool key padding mask by
-  :func:`relbias.integrations.masks.relbias_mask_from_hf`).
+  ``relbias.integrations.masks.relbias_mask_from_hf``).
 
 Projections, embeddings, masks' construction and heads stay transformers' code; parameters and ``state_dict`` are
 unchanged. :func:`unpatch_mpnet` removes the instance attributes, so transformers' own methods run again.
