@@ -179,23 +179,29 @@ def test_log_lines_during_a_progress_bar_are_written_above_it(capsys):
 
 
 def test_the_kernels_are_loaded_before_the_first_progress_bar(corpus, tmp_path, capsys, monkeypatch):
-    """A first build (about 50 s) must not be timed as the first training step's: it runs, and says so, before any
-    bar is drawn."""
+    """A first build (about 50 s) must not be timed as the first training step's or the first scheme's: it runs, and
+    says so, before any bar is drawn and before the experiment (and its timers) starts."""
     import logging
 
+    import relbias.experiments
     from relbias.backends.toeplitz import _native
 
-    loaded, original = [], _native.load_native
+    loaded, original, events = [], _native.load_native, []
 
     def load_native():
         if not loaded:  # the notice a first build logs
             logging.getLogger("relbias.backends.toeplitz._build").warning("relbias: compiling (test)")
+            events.append("build")
         loaded.append(True)
         return original()
 
+    run_extrapolation = relbias.experiments.run_extrapolation
+    monkeypatch.setattr(relbias.experiments, "run_extrapolation",
+                        lambda *a, **k: events.append("experiment") or run_extrapolation(*a, **k))
     monkeypatch.setattr(_native, "load_native", load_native)
     args = [a for a in TINY if a != "--no-progress"]
     assert main(["extrapolate", "--corpus", str(corpus), "--out", str(tmp_path / "out"), "--schemes", "t5", *args]) == 0
     err = capsys.readouterr().err
     assert loaded and _starts_a_line(err, "relbias: compiling (test)\n")
     assert err.index("relbias: compiling (test)") < err.index("it/s]")  # before the first bar
+    assert events == ["build", "experiment"]  # and before the experiment times its first scheme

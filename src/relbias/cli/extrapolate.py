@@ -133,7 +133,8 @@ def _progress_hook(disabled: bool):
 
 def _load_kernels(backend: str) -> None:
     """Build or load the native kernels that training on CPU runs (``auto`` and ``toeplitz``) before the first
-    progress bar starts: a first build takes about 50 s, which a bar would count as its first step's time."""
+    progress bar and the first training timer start: a first build takes about 50 s, which a bar would count as its
+    first step's time and the results as the first scheme's training time."""
     if backend in ("auto", "toeplitz"):
         from ..backends.toeplitz import _native
 
@@ -229,7 +230,6 @@ def run(args: argparse.Namespace) -> int:
         if not announced:
             announced = True
             print(header, flush=True)
-            _load_kernels(config.backend)
 
     def progress(iterable, **kwargs):
         announce()
@@ -248,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     try:
         with log_through_bars:
+            _load_kernels(config.backend)  # before any bar or timer: a build is not a step's or a scheme's time
             results = run_extrapolation(
                 config, schemes, corpus, args.out, seeds=seed_list, resume=args.resume, progress=progress,
                 on_result=report,
