@@ -71,18 +71,25 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     if not bias.offset_only:
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
         return (pe.to(dtype) * call.bias_scale)[None]
-    w = reversed_rows(call, dtype)  # a view into the bias's table, shared by every layer and step (-inf: masked)
+    return _rows(_reversed(call, dtype), call)  # future offsets -inf, as ``visible`` masks them anyway
+
+
+def _reversed(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` (Hb, Lq + Lk - 1) in ``dtype`` for an offset-only bias: the scaled per-offset values reversed, -inf at a
+    causal call's future offsets; a view into the bias's table (:func:`reversed_rows`), shared by every layer and
+    step, else computed once per native form, which a decoder's layers share within a step."""
+    w = reversed_rows(call, dtype)
     if w is not None:
-        return _rows(w, call)
+        return w
     native = call.native_bias()
-    # reversed and scaled as the toeplitz backend's (no causal -inf: decode masks with ``visible``); kept with the
-    # native form, which a decoder's layers share within a step
-    make = lambda: _rows(reversed_bias(native.values, dtype, call.bias_scale, False, call.delta, a.key_len), call)
-    return native.derive(("decode", dtype, call.bias_scale), make)
+    a = call.alignment
+    make = lambda: reversed_bias(native.values, dtype, call.bias_scale, call.is_causal, call.delta, a.key_len)
+    return native.derive(("decode", dtype, call.bias_scale, call.is_causal), make)
 
 
 def _rows(w: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-    """(1, Hb, Lq, Lk): entry (t, s) is ``w[:, Lq - 1 - t + s]`` of the reversed, scaled bias ``w`` (Hb, Lq + Lk - 1)."""
+    """(1, Hb, Lq, Lk): entry (t, s) is ``w[:, Lq - 1 - t + s]`` of the reversed, scaled bias ``w``
+    (Hb, Lq + Lk - 1)."""
     a = call.alignment
     rows = w.as_strided((w.shape[0], a.query_len, a.key_len), (w.stride(0), 1, 1))  # from w's own offset
     return (rows if a.query_len == 1 else rows.flip(1))[None]  # rows[:, r, s] = w[:, r + s], then query order
@@ -125,12 +132,7 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     module = _toeplitz_native.loaded_native(query)
     if module is None:
         return None
-    w = reversed_rows(call, query.dtype)  # a view into the bias's table, shared by every layer and step
-    if w is None:  # the reversed, scaled bias with -inf at future offsets, kept with the native form
-        native = call.native_bias()
-        key_ = ("decode native", query.dtype, call.bias_scale, call.is_causal)
-        make = lambda: reversed_bias(native.values, query.dtype, call.bias_scale, call.is_causal, call.delta, key.shape[2])
-        w = native.derive(key_, make)
+    w = _reversed(call, query.dtype)
     out, lse = module.toeplitz_forward(query, key, value, w, call.scale, call.delta, call.is_causal,
                                        _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True)
     return out, lse

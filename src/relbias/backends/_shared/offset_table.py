@@ -31,7 +31,8 @@ SPAN = 15
 #: Smallest capacity C (offsets 0 .. C - 1).
 MIN_CAPACITY = 256
 
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # bias module -> [key, capacity, table, limit, last view]
+#: bias module -> [key, capacity, table, limit, last view]
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def reversed_rows(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor | None:
@@ -50,9 +51,9 @@ def reversed_rows(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor | Non
     key = (dtype, call.bias_scale, call.query.device, torch.is_inference_mode_enabled(), stamp)
     entry = _TABLES.get(bias)
     if entry is None or entry[0] != key or entry[1] <= high:
-        capacity = max(MIN_CAPACITY, 1 << int(high).bit_length())
-        table = _table(bias, capacity, dtype, call.bias_scale, call.query.device)
-        entry = _TABLES[bias] = [key, capacity, table, _defined_up_to(bias), None]
+        capacity, limit = max(MIN_CAPACITY, 1 << int(high).bit_length()), _defined_up_to(bias)
+        table = _table(bias, capacity, limit, dtype, call.bias_scale, call.query.device)
+        entry = _TABLES[bias] = [key, capacity, table, limit, None]
     _, capacity, table, limit, last = entry
     if limit is not None and high > limit:
         return None  # offsets the family has no value for: the caller's path raises the family's error
@@ -69,17 +70,15 @@ def _defined_up_to(bias: RelativeBias) -> int | None:
     return getattr(bias, "max_table_offset", None)
 
 
-def _table(bias: RelativeBias, capacity: int, dtype: torch.dtype, scale: float, device: torch.device) -> torch.Tensor:
+def _table(bias: RelativeBias, capacity: int, limit: int | None, dtype: torch.dtype, scale: float,
+           device: torch.device) -> torch.Tensor:
     """(Hb, capacity + SPAN): the scaled values at offsets ``capacity - 1`` down to 0, then ``SPAN`` columns of
-    ``-inf``. Offsets past a far-constant family's distance T or a per-offset table's end are not evaluated: the
-    former repeat offset T's value, the latter are never read (:func:`reversed_rows` refuses them)."""
+    ``-inf``. Offsets past a far-constant family's distance T or past ``limit`` (:func:`_defined_up_to`: a per-offset
+    table's end) are not evaluated: the former repeat offset T's value, the latter are never read
+    (:func:`reversed_rows` refuses them)."""
     far = bias.far_constant_distance()
-    top = capacity - 1
-    if far is not None:
-        top = min(top, far)
-    limit = _defined_up_to(bias)
-    if limit is not None:
-        top = min(top, limit)
+    bound = far if far is not None else limit  # at most one of them is set (_defined_up_to)
+    top = capacity - 1 if bound is None else min(capacity - 1, bound)
     with torch.no_grad():
         values = bias.offset_values(torch.arange(top + 1, device=device)).to(dtype) * scale  # (Hb, top + 1), ascending
         table = values.new_full((values.shape[0], capacity + SPAN), float("-inf"))
