@@ -1,7 +1,7 @@
 """relbias: self-attention with relative position biases for PyTorch."""
 
 from .biases import CONVENTIONS, FunctionBias, NativeBias, PerOffsetBias, RelativeBias, T5Bias, TableBias
-from .biases import ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, alibi_slopes
+from .biases import ALiBiBias, FIREBias, KerpleLogBias, KerplePowerBias, alibi_slopes, mpt_alibi_slopes
 from .buckets import t5_bucket, t5_bucket_ranges, validate_t5_buckets
 from .dispatch import explain_backend
 from .functional import attention, attention_with_weights
@@ -36,6 +36,7 @@ __all__ = [
     "T5Bias",
     "TableBias",
     "alibi_slopes",
+    "mpt_alibi_slopes",
     "attention",
     "attention_varlen",
     "attention_with_weights",

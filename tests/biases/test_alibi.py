@@ -107,3 +107,57 @@ def test_bad_settings_raise_clear_errors(kwargs, error, message):
     if "bidirectional" not in kwargs:
         with pytest.raises(error, match=message):
             alibi_slopes(num_heads)
+
+
+def test_golden_mpt_slopes_by_hand():
+    """MPT's rule: 2^(-alibi_bias_max * k / P), P the power of two >= H; even-numbered then odd-numbered."""
+    assert relbias.mpt_alibi_slopes(4, 16.0).tolist() == [2.0**-4, 2.0**-8, 2.0**-12, 2.0**-16]
+    # 3 heads, P = 4, max 8: 2^-2, 2^-4, 2^-6, 2^-8 -> even-numbered (2^-4, 2^-8) then odd-numbered (2^-2)
+    assert relbias.mpt_alibi_slopes(3).tolist() == [2.0**-4, 2.0**-8, 2.0**-2]
+
+
+@pytest.mark.parametrize("num_heads", [1, 3, 5, 6, 8, 12, 20, 32])
+def test_mpt_slopes_with_max_8_are_the_papers(num_heads):
+    assert torch.allclose(relbias.mpt_alibi_slopes(num_heads).double(), alibi_slopes(num_heads), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("value, error, message", [
+    (0.0, ValueError, "alibi_bias_max must be finite and > 0, got 0.0"),
+    (float("inf"), ValueError, "alibi_bias_max must be finite"),
+    ("8", TypeError, "alibi_bias_max must be a real number"),
+    (True, TypeError, "alibi_bias_max must be a real number"),
+])
+def test_mpt_slopes_bad_max_raises(value, error, message):
+    with pytest.raises(error, match=message):
+        relbias.mpt_alibi_slopes(4, value)
+
+
+def test_explicit_slopes_set_each_heads_penalty():
+    bias = ALiBiBias(3, bidirectional=False, slopes=[0.5, 0.125, 0.0])
+    values = bias(4, 4)  # (H, Lq, Lk)
+    offsets = torch.arange(4)[:, None] - torch.arange(4)[None, :]
+    for head, slope in enumerate([0.5, 0.125, 0.0]):
+        assert torch.equal(values[head], -slope * offsets.clamp(min=0).float())
+    assert torch.equal(ALiBiBias(6, slopes=alibi_slopes(6)).slopes, ALiBiBias(6).slopes)
+    assert "slopes" not in ALiBiBias(2, slopes=torch.tensor([1.0, 2.0])).state_dict()
+
+
+def test_explicit_slopes_are_copied_not_aliased():
+    given = torch.tensor([0.5, 0.25])
+    bias = ALiBiBias(2, slopes=given)
+    given.mul_(2)
+    assert bias.slopes.tolist() == [0.5, 0.25]
+
+
+@pytest.mark.parametrize("slopes, error, message", [
+    ([0.5], ValueError, r"slopes must have shape \(2,\) \(one per head\), got \(1,\)"),
+    (torch.ones(2, 1), ValueError, r"slopes must have shape \(2,\)"),
+    ([0.5, -0.1], ValueError, r"slopes must be finite and >= 0; slopes\[1\] = -0.1"),
+    (torch.tensor([float("nan"), 1.0]), ValueError, r"slopes\[0\] = nan"),
+    (torch.tensor([1, 2]), TypeError, "slopes must be a floating-point tensor, got dtype torch.int64"),
+    ("ab", TypeError, "slopes must be a float tensor or a sequence of real numbers"),
+    ([0.5, True], TypeError, "slopes must be a float tensor or a sequence of real numbers"),
+])
+def test_bad_slopes_raise_clear_errors(slopes, error, message):
+    with pytest.raises(error, match=message):
+        ALiBiBias(2, slopes=slopes)

@@ -11,8 +11,8 @@ from .table import TableBias
 from .function import FunctionBias
 from .offset import PerOffsetBias
 from .t5 import T5Bias
-from .alibi import ALiBiBias, alibi_slopes
+from .alibi import ALiBiBias, alibi_slopes, mpt_alibi_slopes
 from .kerple import KerpleLogBias, KerplePowerBias
 from .fire import FIREBias
 
-__all__ = ["ALiBiBias", "CONVENTIONS", "FAMILIES", "FIREBias", "FunctionBias", "KerpleLogBias", "KerplePowerBias", "NativeBias", "PerOffsetBias", "RelativeBias", "T5Bias", "TableBias", "alibi_slopes", "make_bias", "register_family"]
+__all__ = ["ALiBiBias", "CONVENTIONS", "FAMILIES", "FIREBias", "FunctionBias", "KerpleLogBias", "KerplePowerBias", "NativeBias", "PerOffsetBias", "RelativeBias", "T5Bias", "TableBias", "alibi_slopes", "make_bias", "mpt_alibi_slopes", "register_family"]

@@ -356,7 +356,8 @@ def _check_layout(attention_cls: type) -> None:
 
 def is_patched(model: nn.Module) -> bool:
     """True when :func:`patch_t5` (or :func:`patch`) has patched ``model`` and :func:`unpatch_t5` (:func:`unpatch`)
-    has not undone it; for MPNet, :func:`relbias.integrations.mpnet.is_mpnet_patched`."""
+    has not undone it; for MPNet, :func:`relbias.integrations.mpnet.is_mpnet_patched`; for the ALiBi decoders,
+    :func:`relbias.integrations.alibi_decoders.is_alibi_patched`."""
     return isinstance(getattr(model, _STATE_ATTR, None), _PatchState)
 
 
@@ -366,8 +367,9 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     Recognises, in this order: the T5 family and any module holding its stacks (:func:`patch_t5`: T5, mT5, UMT5,
     Switch Transformers, Pop2Piano, task heads and wrappers, Chronos-Bolt), then MPNet and any module holding an
     ``MPNetEncoder`` (:func:`relbias.integrations.mpnet.patch_mpnet`: every MPNet head, a sentence-transformers
-    ``SentenceTransformer``). Outputs equal the unpatched model's up to float rounding; ``state_dict`` and
-    ``save_pretrained`` are unchanged.
+    ``SentenceTransformer``), then the ALiBi decoders BLOOM, MPT and Falcon with ``alibi=True``
+    (:func:`relbias.integrations.alibi_decoders.patch_alibi`). Outputs equal the unpatched model's up to float
+    rounding; ``state_dict`` and ``save_pretrained`` are unchanged.
 
     Args:
         model: the model, patched in place.
@@ -378,9 +380,10 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
 
     Raises:
         TypeError: no architecture relbias patches in ``model`` (the message lists them); and the errors of the
-            patch that applies.
+            patch that applies (e.g. a Falcon with rotary embeddings).
         ValueError: as that patch (already patched, unknown backend, ...).
     """
+    from .alibi_decoders import alibi_decoder, patch_alibi
     from .mpnet import mpnet_encoder, patch_mpnet
 
     check_transformers_version()
@@ -389,9 +392,12 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     except TypeError as refusal:
         if mpnet_encoder(model) is not None:
             return patch_mpnet(model, backend=backend)
+        if alibi_decoder(model) is not None:
+            return patch_alibi(model, backend=backend)
         raise TypeError(
-            f"relbias patches T5-family models (and modules holding their stacks) and MPNet models (and modules "
-            f"holding an MPNetEncoder); {type(model).__name__} is neither: {refusal}"
+            f"relbias patches T5-family models (and modules holding their stacks), MPNet models (and modules "
+            f"holding an MPNetEncoder) and the ALiBi decoders BLOOM, MPT and Falcon (alibi=True); "
+            f"{type(model).__name__} is none of them: {refusal}"
         ) from None
     return patch_t5(model, backend=backend)
 
@@ -402,10 +408,13 @@ def unpatch(model: nn.Module) -> nn.Module:
     Raises:
         ValueError: ``model`` is not patched by relbias.
     """
+    from .alibi_decoders import is_alibi_patched, unpatch_alibi
     from .mpnet import is_mpnet_patched, unpatch_mpnet
 
     if is_mpnet_patched(model):
         return unpatch_mpnet(model)
+    if is_alibi_patched(model):
+        return unpatch_alibi(model)
     return unpatch_t5(model)
 
 

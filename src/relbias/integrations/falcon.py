@@ -1,0 +1,91 @@
+"""Falcon with ALiBi (``FalconModel`` with ``config.alibi=True``: falcon-rw) through
+:func:`relbias.integrations.alibi_decoders.patch_alibi`.
+
+Falcon-RW (Penedo et al. 2023, "The RefinedWeb Dataset for Falcon LLM", §4.1) uses ALiBi with scores
+``(q . k + bias) / sqrt(d) + Mask``, relbias' "seed" convention. transformers computes the slopes as BLOOM's,
+rounds them to bfloat16 and multiplies them by the counted positions in bfloat16 (8 significant bits; the positions are rounded too); relbias
+reads those rounded slopes and computes ``-m_h * (i - j)`` exactly. The two agree where transformers' products are
+exact (below 256 tokens when every slope is a power of two: 1, 2, 4 or 8 heads); elsewhere transformers' bias is
+off by up to 2^-7 of ``m_h * position`` (the position and the product are each rounded) (falcon-rw-1b's 32 heads: from position 3), and the patched model's
+outputs differ from transformers' by that rounding of transformers', not only by float32 rounding. While patched, the model's ``use_alibi`` is False on the instance, so that its forward builds no
+(B, H, Lq, Lk) bias-and-mask tensor (it then also computes rotary tables, which the patched attention does not
+read). The replacement of ``FalconAttention.forward`` keeps transformers' projection (multi-query and the new
+decoder architecture included: key/value heads shared by groups of query heads), cache update and output
+projection.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from .alibi_decoders import ALiBiPatch, alibi_attention
+
+__all__ = ["base_model", "check", "install", "slopes", "uninstall"]
+
+
+def base_model(model: nn.Module) -> nn.Module | None:
+    """The first ``FalconModel`` in ``model``, or None."""
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconModel
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, FalconModel)), None)
+
+
+def check(base: nn.Module) -> None:
+    """Refuse a Falcon without ALiBi (``config.alibi=False``: rotary embeddings, no relative bias)."""
+    if not base.config.alibi:
+        raise TypeError("this Falcon has config.alibi=False (rotary embeddings, no relative bias); relbias patches "
+                        "ALiBi Falcon models (falcon-rw)")
+
+
+def _alibi(visible: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """transformers' Falcon bias for a (B, Lk) mask of visible keys: (B, H, 1, Lk), logits before scaling."""
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    return build_alibi_tensor(visible.long(), num_heads, dtype).view(visible.shape[0], num_heads, 1, -1)
+
+
+def slopes(base: nn.Module) -> torch.Tensor:
+    """Falcon's slopes as transformers computes them (float32 values of its bfloat16 slopes, (H,))."""
+    return _alibi(torch.ones(1, 2, dtype=torch.bool), base.num_heads, torch.float32)[0, :, 0, 1]
+
+
+def _attention(layer, patch: ALiBiPatch, hidden_states, alibi=None, attention_mask=None, position_ids=None,
+               layer_past=None, use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
+    """Replacement of ``FalconAttention.forward``: ``(output, probabilities or None)``."""
+    query, key, value = (t.transpose(1, 2) for t in layer._split_heads(layer.query_key_value(hidden_states)))
+    batch, _, length, _ = query.shape  # query (B, H, L, D); key, value (B, Hkv, L, D)
+    past = 0
+    if layer_past is not None:
+        past = layer_past.get_seq_length(layer.layer_idx)
+        key, value = layer_past.update(key, value, layer.layer_idx)
+    head_dim = layer.head_dim
+    out, probs = alibi_attention(
+        patch, query, key, value, attention_mask, query_start=past, scale=layer.inv_norm_factor,
+        convention="seed", dropout_p=layer.attention_dropout.p if layer.training else 0.0,
+        output_attentions=output_attentions, counted_positions=True,
+        key_bias=lambda visible: _alibi(visible, layer.num_heads, query.dtype) / math.sqrt(head_dim),
+    )
+    return layer.dense(out.transpose(1, 2).reshape(batch, length, layer.num_heads * head_dim)), probs
+
+
+def install(base: nn.Module, patch: ALiBiPatch) -> None:
+    """Give each ``FalconAttention`` of ``base`` the relbias forward; the model builds no bias."""
+    for block in base.h:
+        layer = block.self_attention
+        layer.forward = functools.partial(_attention, layer, patch)
+        patch.layers.append(layer)
+    patch.restore["use_alibi"] = base.use_alibi
+    base.use_alibi = False
+
+
+def uninstall(base: nn.Module, patch: ALiBiPatch) -> None:
+    """transformers' own ``FalconAttention.forward`` and ``use_alibi`` again."""
+    for layer in patch.layers:
+        del layer.forward
+    base.use_alibi = patch.restore.pop("use_alibi")
