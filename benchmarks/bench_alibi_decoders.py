@@ -105,7 +105,8 @@ def run_child(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 4096], help="prefill tokens (none: decode only)")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 4096],
+                        help="prefill tokens (none: decode only)")
     parser.add_argument("--prompt", type=int, default=512, help="decode: prompt tokens (default 512)")
     parser.add_argument("--new", type=int, default=32, help="decode: tokens generated (default 32)")
     parser.add_argument("--layers", type=int, default=2, help="layers per model (default 2)")

@@ -11,7 +11,8 @@ import pathlib
 import sys
 
 MODULES = (
-    "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.mpnet"
+    "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.mpnet",
+    "relbias.integrations.alibi_decoders",
 )
 
 

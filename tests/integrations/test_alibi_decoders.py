@@ -236,9 +236,9 @@ def test_copies_of_a_patched_model_after_generate_stay_patched():
 
 
 def test_falcon_bias_is_alibi_up_to_bfloat16_rounding_of_slope_times_position():
-    """transformers rounds Falcon's slope x position to bfloat16: exact (ALiBi) below 256 tokens when the slopes are
-    powers of two (1, 2, 4, 8 heads: the tests above use 4), off by at most 2^-7 of the product otherwise (the position and the product each rounded) (32 heads,
-    falcon-rw-1b's: from position 3), where relbias computes ALiBi exactly with the same slopes."""
+    """transformers rounds Falcon's position and slope x position to bfloat16: exact (ALiBi) below 256 tokens when
+    the slopes are powers of two (1, 2, 4, 8 heads: the tests above use 4), off by at most 2^-7 of the product
+    otherwise (32 heads, falcon-rw-1b's: from position 3), where relbias computes ALiBi exactly with the same slopes."""
     from transformers.models.falcon.modeling_falcon import build_alibi_tensor
 
     positions = torch.arange(1024, dtype=torch.float64)
@@ -247,7 +247,8 @@ def test_falcon_bias_is_alibi_up_to_bfloat16_rounding_of_slope_times_position():
         exact = relbias.alibi_slopes(heads)[:, None] * positions
         assert torch.equal(alibi[:, :256], exact[:, :256]) and not torch.equal(alibi, exact)
     alibi = build_alibi_tensor(torch.ones(1, 1024, dtype=torch.long), 32, torch.float32)[:, 0].double()
-    exact = alibi_decoders._architecture("falcon").slopes(type("M", (), {"num_heads": 32})).double()[:, None] * positions
+    slopes = alibi_decoders._architecture("falcon").slopes(type("M", (), {"num_heads": 32})).double()
+    exact = slopes[:, None] * positions
     assert torch.equal(alibi[:, :3], exact[:, :3]) and not torch.equal(alibi[:, :4], exact[:, :4])
     assert bool(((alibi - exact).abs() <= exact.abs() * 2.0**-7).all())
 
@@ -260,7 +261,8 @@ def test_slopes_are_the_models_own():
         assert torch.equal(alibi_decoders._architecture("bloom").slopes(type("M", (), {"num_heads": heads})),
                            _get_alibi_slopes(heads, torch.device("cpu")))
         for maximum in (8, 16, 5):
-            assert torch.equal(relbias.mpt_alibi_slopes(heads, maximum), -build_mpt_alibi_tensor(heads, 2, maximum)[:, 0, 0])
+            want = -build_mpt_alibi_tensor(heads, 2, maximum)[:, 0, 0]
+            assert torch.equal(relbias.mpt_alibi_slopes(heads, maximum), want)
 
 
 def test_refusals_name_the_problem():

@@ -129,7 +129,7 @@ def test_a_patched_model_copies_saves_and_loads_unpatched():
 
 
 def test_refusals():
-    with pytest.raises(TypeError, match="relbias patches T5-family models .* and MPNet models"):
+    with pytest.raises(TypeError, match="relbias patches T5-family models .* MPNet models .* the ALiBi decoders"):
         patch(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="holds no transformers MPNetEncoder"):
         patch_mpnet(torch.nn.Linear(2, 2))

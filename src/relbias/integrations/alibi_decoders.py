@@ -46,7 +46,9 @@ from ..biases.alibi import ALiBiBias
 from ..functional import attention, attention_with_weights
 from .masks import relbias_mask_from_hf
 
-__all__ = ["ARCHITECTURES", "alibi_attention", "alibi_decoder", "is_alibi_patched", "patch_alibi", "unpatch_alibi"]
+__all__ = [
+    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "is_alibi_patched", "patch_alibi", "unpatch_alibi"
+]
 
 #: Modules under ``relbias.integrations`` that each patch one ALiBi architecture; see :func:`patch_alibi`.
 ARCHITECTURES = ("bloom", "mpt", "falcon")
@@ -77,7 +79,8 @@ class ALiBiPatch:
         the bias may be read per offset; computed once per forward (the mask object every layer is handed) and
         reused by the other layers."""
         cached = self._mask_cache
-        if cached is not None and hf_mask is not None and cached[0]() is hf_mask and cached[1:3] == (query_start, end):
+        hit = cached is not None and hf_mask is not None and cached[0]() is hf_mask
+        if hit and cached[1:3] == (query_start, end):
             return cached[3]
         mask, is_causal = relbias_mask_from_hf(hf_mask, is_causal=True, query_start=query_start)
         per_offset = not counted_positions or (is_causal and (mask is None or _contiguous(mask, end)))
@@ -200,7 +203,9 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     if is_alibi_patched(model):
         raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_alibi(model) first")
     if backend is not None and backend not in _backend_names():
-        raise ValueError(f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)")
+        raise ValueError(
+            f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)"
+        )
     module = _architecture(name)
     module.check(base)
     slopes = module.slopes(base)

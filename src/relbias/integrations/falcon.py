@@ -1,17 +1,18 @@
 """Falcon with ALiBi (``FalconModel`` with ``config.alibi=True``: falcon-rw) through
 :func:`relbias.integrations.alibi_decoders.patch_alibi`.
 
-Falcon-RW (Penedo et al. 2023, "The RefinedWeb Dataset for Falcon LLM", §4.1) uses ALiBi with scores
-``(q . k + bias) / sqrt(d) + Mask``, relbias' "seed" convention. transformers computes the slopes as BLOOM's,
-rounds them to bfloat16 and multiplies them by the counted positions in bfloat16 (8 significant bits; the positions are rounded too); relbias
-reads those rounded slopes and computes ``-m_h * (i - j)`` exactly. The two agree where transformers' products are
-exact (below 256 tokens when every slope is a power of two: 1, 2, 4 or 8 heads); elsewhere transformers' bias is
-off by up to 2^-7 of ``m_h * position`` (the position and the product are each rounded) (falcon-rw-1b's 32 heads: from position 3), and the patched model's
-outputs differ from transformers' by that rounding of transformers', not only by float32 rounding. While patched, the model's ``use_alibi`` is False on the instance, so that its forward builds no
-(B, H, Lq, Lk) bias-and-mask tensor (it then also computes rotary tables, which the patched attention does not
-read). The replacement of ``FalconAttention.forward`` keeps transformers' projection (multi-query and the new
-decoder architecture included: key/value heads shared by groups of query heads), cache update and output
-projection.
+Falcon-RW (Penedo et al. 2023, "The RefinedWeb Dataset for Falcon LLM", §4.1) uses ALiBi with scores ``(q . k +
+bias) / sqrt(d) + Mask``, relbias' "seed" convention. transformers computes the slopes as BLOOM's, rounds them to
+bfloat16 and multiplies them by the counted positions in bfloat16 (8 significant bits; the positions are rounded
+too); relbias reads those rounded slopes and computes ``-m_h * (i - j)`` exactly. The two agree where transformers'
+products are exact (below 256 tokens when every slope is a power of two: 1, 2, 4 or 8 heads); elsewhere
+transformers' bias is off by up to 2^-7 of ``m_h * position`` (the position and the product are each rounded)
+(falcon-rw-1b's 32 heads: from position 3), and the patched model's outputs differ from transformers' by that
+rounding of transformers', not only by float32 rounding. While patched, the model's ``use_alibi`` is False on the
+instance, so that its forward builds no (B, H, Lq, Lk) bias-and-mask tensor (it then also computes rotary tables,
+which the patched attention does not read). The replacement of ``FalconAttention.forward`` keeps transformers'
+projection (multi-query and the new decoder architecture included: key/value heads shared by groups of query heads),
+cache update and output projection.
 """
 
 from __future__ import annotations

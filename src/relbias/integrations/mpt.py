@@ -1,11 +1,12 @@
 """MPT (``MptModel`` and its heads) through :func:`relbias.integrations.alibi_decoders.patch_alibi`.
 
 MPT (MosaicML 2023, llm-foundry) uses ALiBi with :func:`relbias.mpt_alibi_slopes` of ``alibi_bias_max`` (8 in
-transformers' MPT, whatever ``attn_config.alibi_bias_max`` says: see :func:`slopes`) and scores ``(q . k) * softmax_scale + bias + Mask`` (relbias' "additive" convention), positions counted with
-padding: offsets, whatever the mask. transformers' MPT slices a (H, 1, max_seq_len) bias to the keys, so it
-cannot run past ``config.max_seq_len``; the patched attention reads the bias per offset and can. The
-replacement of ``MptAttention.forward`` keeps transformers' projection, ``clip_qkv``, cache update and output
-projection; MPT's mask is True where a key is hidden.
+transformers' MPT, whatever ``attn_config.alibi_bias_max`` says: see :func:`slopes`) and scores ``(q . k) *
+softmax_scale + bias + Mask`` (relbias' "additive" convention), positions counted with padding: offsets, whatever
+the mask. transformers' MPT slices a (H, 1, max_seq_len) bias to the keys, so it cannot run past
+``config.max_seq_len``; the patched attention reads the bias per offset and can. The replacement of
+``MptAttention.forward`` keeps transformers' projection, ``clip_qkv``, cache update and output projection; MPT's
+mask is True where a key is hidden.
 """
 
 from __future__ import annotations
