@@ -42,12 +42,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._gqa import expand_kv_heads
 from ..biases.alibi import ALiBiBias
 from ..functional import attention, attention_with_weights
 from .masks import relbias_mask_from_hf
 
 __all__ = [
-    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "is_alibi_patched", "patch_alibi", "unpatch_alibi"
+    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "first_instance", "is_alibi_patched",
+    "patch_alibi", "unpatch_alibi",
 ]
 
 #: Modules under ``relbias.integrations`` that each patch one ALiBi architecture; see :func:`patch_alibi`.
@@ -91,6 +93,16 @@ class ALiBiPatch:
 
 def _architecture(name: str):
     return importlib.import_module(f"{__package__}.{name}")
+
+
+def first_instance(model: nn.Module, modeling: str, class_name: str) -> nn.Module | None:
+    """The first module of ``model`` (in ``modules()`` order) that is a ``transformers.models.{modeling}``
+    ``class_name``, or None (none, or transformers not installed)."""
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{modeling}"), class_name)
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, cls)), None)
 
 
 def alibi_decoder(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -158,9 +170,7 @@ def alibi_attention(
         bias = key_bias(visible[:, 0, -1, :])  # the last query sees every visible key up to it
         call.update(mask=bias.masked_fill(~visible, float("-inf")), is_causal=False)
     if output_attentions:
-        del call["enable_gqa"]
-        group = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        key, value = expand_kv_heads(query, key, value, call.pop("enable_gqa"))
         _, probs = attention_with_weights(query, key, value, **call)
         return probs @ value, probs
     backend = {} if patch.backend is None else {"backend": patch.backend}

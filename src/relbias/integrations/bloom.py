@@ -15,18 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention
+from .alibi_decoders import ALiBiPatch, alibi_attention, first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``BloomModel`` in ``model``, or None."""
-    try:
-        from transformers.models.bloom.modeling_bloom import BloomModel
-    except ImportError:
-        return None
-    return next((m for m in model.modules() if isinstance(m, BloomModel)), None)
+    return first_instance(model, "bloom.modeling_bloom", "BloomModel")
 
 
 def check(base: nn.Module) -> None:

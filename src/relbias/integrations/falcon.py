@@ -23,18 +23,14 @@ import math
 import torch
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention
+from .alibi_decoders import ALiBiPatch, alibi_attention, first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``FalconModel`` in ``model``, or None."""
-    try:
-        from transformers.models.falcon.modeling_falcon import FalconModel
-    except ImportError:
-        return None
-    return next((m for m in model.modules() if isinstance(m, FalconModel)), None)
+    return first_instance(model, "falcon.modeling_falcon", "FalconModel")
 
 
 def check(base: nn.Module) -> None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..biases.alibi import mpt_alibi_slopes
-from .alibi_decoders import ALiBiPatch, alibi_attention
+from .alibi_decoders import ALiBiPatch, alibi_attention, first_instance
 
 __all__ = ["TRANSFORMERS_ALIBI_BIAS_MAX", "base_model", "check", "install", "slopes", "uninstall"]
 
@@ -29,11 +29,7 @@ TRANSFORMERS_ALIBI_BIAS_MAX = 8.0
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``MptModel`` in ``model``, or None."""
-    try:
-        from transformers.models.mpt.modeling_mpt import MptModel
-    except ImportError:
-        return None
-    return next((m for m in model.modules() if isinstance(m, MptModel)), None)
+    return first_instance(model, "mpt.modeling_mpt", "MptModel")
 
 
 def check(base: nn.Module) -> None:
