@@ -6,6 +6,7 @@ import pickle
 
 import pytest
 import torch
+from packaging.version import Version
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras)")
 
@@ -33,12 +34,12 @@ CONFIGS = {  # 6 heads: slopes of a non-power-of-two head count; Falcon keeps 4 
                                                          max_seq_len=64), **kw}),
     "mpt-max16": lambda **kw: transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4,
                                                      max_seq_len=64, attn_config={"alibi_bias_max": 16}, **kw),
-    "falcon": lambda **kw: transformers.FalconConfig(**_FALCON, multi_query=False, parallel_attn=False,
-                                                     new_decoder_architecture=False, **kw),
-    "falcon-multi-query": lambda **kw: transformers.FalconConfig(**_FALCON, multi_query=True, parallel_attn=True,
-                                                                 new_decoder_architecture=False, **kw),
-    "falcon-new": lambda **kw: transformers.FalconConfig(**_FALCON, new_decoder_architecture=True, num_kv_heads=2,
-                                                         **kw),
+    "falcon": lambda **kw: transformers.FalconConfig(**{**_FALCON, **kw}, multi_query=False, parallel_attn=False,
+                                                     new_decoder_architecture=False),
+    "falcon-multi-query": lambda **kw: transformers.FalconConfig(**{**_FALCON, **kw}, multi_query=True, parallel_attn=True,
+                                                                 new_decoder_architecture=False),
+    "falcon-new": lambda **kw: transformers.FalconConfig(**{**_FALCON, **kw}, new_decoder_architecture=True,
+                                                         num_kv_heads=2),
 }
 CLASSES = {"bloom": "BloomForCausalLM", "mpt": "MptForCausalLM", "falcon": "FalconForCausalLM"}
 
@@ -115,6 +116,26 @@ def test_offsets_are_read_per_offset_with_left_padding(name, monkeypatch):
     assert {shape[2] for _, _, shape in seen} == {LENGTH, LENGTH + 1, LENGTH + 2}
 
 
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon"])
+def test_attention_dropout_is_the_models_in_training_only(name, monkeypatch):
+    if name == "mpt":  # transformers' MptAttentionConfig types attn_pdrop as an int: set on the layers instead
+        model = _model(name)
+        for block in model.transformer.blocks:
+            block.attn.attn_dropout_p = 0.25
+    else:
+        model = _model(name, attention_dropout=0.25)
+    patch(model)
+    seen = []
+    real = alibi_decoders.attention
+    monkeypatch.setattr(alibi_decoders, "attention", lambda *a, **kw: seen.append(kw["dropout_p"]) or real(*a, **kw))
+    ids, mask = _batch("left")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+        model.train()
+        model(input_ids=ids, attention_mask=mask)
+    assert seen == [0.0, 0.0, 0.25, 0.25]  # 2 layers in eval, then in training
+
+
 @pytest.mark.parametrize("name", ["bloom", "falcon"])
 def test_holes_in_the_mask_take_the_models_own_positions(name, monkeypatch):
     """BLOOM and Falcon count positions over visible tokens: with a hole, offsets differ from them, so the model's
@@ -142,7 +163,8 @@ def test_greedy_and_beam_tokens_identical(name):
 @pytest.mark.parametrize("name", ["bloom", "falcon"])
 def test_static_cache_tokens_identical(name):
     """A StaticCache (keys of its full length, unfilled slots masked) gives the dynamic cache's tokens. (Unpatched
-    Falcon fails with a static cache in transformers 5.24, so both compare with the unpatched dynamic cache.)"""
+    Falcon fails with a static cache in transformers 5.24 and 5.25, so both compare with the unpatched dynamic
+    cache.)"""
     model = _model(name)
     ids, mask = _batch("left")
     settings = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -187,10 +209,16 @@ def test_gradients_match(name):
         assert_rounding_close(got[key], want[key], n=3 * LENGTH)
 
 
-@pytest.mark.parametrize("name", ["bloom", "mpt"])
+@pytest.mark.parametrize("name", ["bloom", "mpt", "falcon"])
 def test_output_attentions_match(name):
-    """(Falcon's sdpa path hands output_attentions to transformers' eager path, which adds the bias twice.)"""
-    model = _model(name)
+    """Falcon against transformers' eager attention, where that adds the bias once (transformers >= 5.25; 5.24's
+    adds it twice, and its sdpa path returns no probabilities)."""
+    overrides = {}
+    if name == "falcon":
+        if Version(transformers.__version__) < Version("5.25"):
+            pytest.skip("transformers < 5.25: Falcon's eager attention adds the ALiBi bias twice")
+        overrides = {"attn_implementation": "eager"}
+    model = _model(name, **overrides)
     ids, mask = _batch("left")
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask, output_attentions=True).attentions

@@ -10,8 +10,8 @@ ALiBi (Press et al. 2022, "Train Short, Test Long", ICLR, §3) penalises a past 
   sequences past ``config.max_seq_len`` (it cannot broadcast); scores ``(q . k) * softmax_scale + bias``
   ("additive"); slopes :func:`relbias.mpt_alibi_slopes` of ``attn_config.alibi_bias_max``.
 * Falcon (``alibi=True``: falcon-rw): as BLOOM's, the slopes and products rounded to bfloat16, with scores
-  ``(q . k + bias) / sqrt(d)`` (the "seed" convention); the sdpa path folds the bias into a (B, H, Lq, Lk) float
-  mask, built once per forward.
+  ``(q . k + bias) / sqrt(d)`` (the "seed" convention); the model folds the bias into a (B, H, Lq, Lk) float mask,
+  built once per forward.
 
 :func:`patch_alibi` replaces, on the instances, each attention layer's ``forward`` by one that computes the same
 projections and cache update as transformers' and calls :func:`relbias.attention` with one
@@ -28,8 +28,8 @@ path instead: the model's own per-key bias, materialised as a (B, H, Lq, Lk) flo
 MPT's positions are offsets whatever the mask. transformers' Falcon rounds each ``m_h * position`` to bfloat16:
 exact only where those products are (below 256 tokens with 1, 2, 4 or 8 heads), else off by up to 2^-7 of the
 product (falcon-rw-1b's 32 heads: from position 3); relbias computes ALiBi exactly with Falcon's slopes
-(:mod:`relbias.integrations.falcon`). transformers' eager Falcon adds the bias twice (in its scores and in the mask
-its model folds it into); the patch follows its default sdpa path, which adds it once.
+(:mod:`relbias.integrations.falcon`). transformers 5.24's eager Falcon adds the bias twice (in its scores and in
+the mask its model folds it into); the patch follows the sdpa path, which adds it once, as both paths do from 5.25.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ from ..functional import attention, attention_with_weights
 from .masks import relbias_mask_from_hf
 
 __all__ = [
-    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "first_instance", "is_alibi_patched",
+    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "dropout_probability", "first_instance",
+    "is_alibi_patched",
     "patch_alibi", "unpatch_alibi",
 ]
 
@@ -125,6 +126,11 @@ def _contiguous(key_padding: torch.Tensor, end: int) -> bool:
     visible = key_padding.reshape(key_padding.shape[0], -1)[:, :end]
     rises = (visible[:, 1:] & ~visible[:, :-1]).sum(dim=1) + visible[:, 0].long()
     return bool((rises <= 1).all())
+
+
+def dropout_probability(dropout: nn.Dropout | float, training: bool) -> float:
+    """A layer's attention dropout (an ``nn.Dropout`` or its probability) as ``dropout_p``: 0 outside training."""
+    return getattr(dropout, "p", dropout) if training else 0.0
 
 
 def alibi_attention(

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention, first_instance
+from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "uninstall"]
 
@@ -42,14 +42,15 @@ def _attention(layer, patch: ALiBiPatch, hidden_states, residual, alibi, attenti
     from transformers.models.bloom.modeling_bloom import dropout_add
 
     batch, length, _ = hidden_states.shape
-    query, key, value = layer._reshape(layer.query_key_value(hidden_states))  # (B, H, L, D) each
+    fused = layer.query_key_value(hidden_states).view(batch, length, layer.num_heads, 3, layer.head_dim)
+    query, key, value = (t.transpose(1, 2) for t in fused.unbind(3))  # (B, H, L, D) each, interleaved per head
     past = 0
     if layer_past is not None:
         past = layer_past.get_seq_length(layer.layer_idx)
         key, value = layer_past.update(key, value, layer.layer_idx)
     out, probs = alibi_attention(
         patch, query, key, value, attention_mask, query_start=past, scale=layer.inv_norm_factor,
-        convention="additive", dropout_p=layer.attention_dropout.p if layer.training else 0.0,
+        convention="additive", dropout_p=dropout_probability(layer.attention_dropout, layer.training),
         output_attentions=output_attentions, counted_positions=True,
         key_bias=lambda visible: alibi.view(batch, layer.num_heads, 1, -1),
     )

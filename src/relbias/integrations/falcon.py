@@ -11,8 +11,9 @@ transformers' bias is off by up to 2^-7 of ``m_h * position`` (the position and 
 rounding of transformers', not only by float32 rounding. While patched, the model's ``use_alibi`` is False on the
 instance, so that its forward builds no (B, H, Lq, Lk) bias-and-mask tensor (it then also computes rotary tables,
 which the patched attention does not read). The replacement of ``FalconAttention.forward`` keeps transformers'
-projection (multi-query and the new decoder architecture included: key/value heads shared by groups of query heads),
-cache update and output projection.
+projections and cache update; it splits the fused query/key/value projection itself (:func:`split_heads`, the
+checkpoint layout: multi-query and the new decoder architecture included, key/value heads shared by groups of query
+heads and cached unrepeated).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import math
 import torch
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention, first_instance
+from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, first_instance
 
-__all__ = ["base_model", "check", "install", "slopes", "uninstall"]
+__all__ = ["base_model", "check", "install", "slopes", "split_heads", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
@@ -52,11 +53,28 @@ def slopes(base: nn.Module) -> torch.Tensor:
     return _alibi(torch.ones(1, 2, dtype=torch.bool), base.num_heads, torch.float32)[0, :, 0, 1]
 
 
+def split_heads(layer: nn.Module, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Query (B, H, L, D), key and value (B, Hkv, L, D) of ``layer.query_key_value``'s output (B, L, ·), in
+    Falcon's checkpoint layout: the new decoder architecture groups each key/value head's queries then its key and
+    value; multi-query puts the H queries then one key and one value; the original interleaves query, key and value
+    per head. Views of ``fused``; key/value heads are not repeated."""
+    batch, length, _ = fused.shape
+    heads, head_dim = layer.num_heads, layer.head_dim
+    if layer.new_decoder_architecture:
+        grouped = fused.view(batch, length, layer.num_kv_heads, -1, head_dim)
+        query, key, value = grouped[..., :-2, :].flatten(2, 3), grouped[..., -2, :], grouped[..., -1, :]
+    elif layer.multi_query:
+        query, key, value = fused.view(batch, length, heads + 2, head_dim).split([heads, 1, 1], dim=2)
+    else:
+        query, key, value = fused.view(batch, length, heads, 3, head_dim).unbind(3)
+    return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+
 def _attention(layer, patch: ALiBiPatch, hidden_states, alibi=None, attention_mask=None, position_ids=None,
                layer_past=None, use_cache=False, output_attentions=False, position_embeddings=None, **kwargs):
     """Replacement of ``FalconAttention.forward``: ``(output, probabilities or None)``."""
-    query, key, value = (t.transpose(1, 2) for t in layer._split_heads(layer.query_key_value(hidden_states)))
-    batch, _, length, _ = query.shape  # query (B, H, L, D); key, value (B, Hkv, L, D)
+    query, key, value = split_heads(layer, layer.query_key_value(hidden_states))
+    batch, _, length, _ = query.shape
     past = 0
     if layer_past is not None:
         past = layer_past.get_seq_length(layer.layer_idx)
@@ -64,7 +82,7 @@ def _attention(layer, patch: ALiBiPatch, hidden_states, alibi=None, attention_ma
     head_dim = layer.head_dim
     out, probs = alibi_attention(
         patch, query, key, value, attention_mask, query_start=past, scale=layer.inv_norm_factor,
-        convention="seed", dropout_p=layer.attention_dropout.p if layer.training else 0.0,
+        convention="seed", dropout_p=dropout_probability(layer.attention_dropout, layer.training),
         output_attentions=output_attentions, counted_positions=True,
         key_bias=lambda visible: _alibi(visible, layer.num_heads, query.dtype) / math.sqrt(head_dim),
     )

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..biases.alibi import mpt_alibi_slopes
-from .alibi_decoders import ALiBiPatch, alibi_attention, first_instance
+from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, first_instance
 
 __all__ = ["TRANSFORMERS_ALIBI_BIAS_MAX", "base_model", "check", "install", "slopes", "uninstall"]
 
@@ -72,7 +72,7 @@ def _attention(layer, patch: ALiBiPatch, hidden_states, position_bias=None, cach
     out, probs = alibi_attention(
         patch, query, key, value, None if attention_mask is None else ~attention_mask, query_start=past,
         scale=layer.softmax_scale, convention="additive",
-        dropout_p=layer.attn_dropout_p if layer.training else 0.0,
+        dropout_p=dropout_probability(layer.attn_dropout_p, layer.training),
         output_attentions=patch.output_attentions, counted_positions=False,
     )
     return layer.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), probs
