@@ -22,6 +22,7 @@ average before and after; run it on an otherwise idle machine.
 
     python benchmarks/bench_alibi_decoders.py                       # 512, 2048, 4096 tokens; decode after 512
     python benchmarks/bench_alibi_decoders.py --models bloom --lengths 4096 --rounds 2
+    python benchmarks/bench_alibi_decoders.py --models falcon --lengths 4096 --bound   # the ceiling of any gain
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def run_child(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build(args.model, args.layers, args.max_len)
-    if args.variant == "patched":
+    if args.variant in ("patched", "no-attention"):
         from relbias.integrations.transformers import patch
 
         patch(model)
+    if args.variant == "no-attention":  # the patched layers' attention call returns its query: attention costs 0
+        from relbias.integrations import alibi_decoders
+
+        alibi_decoders.attention = lambda query, key, value, **kwargs: query
     from transformers import DynamicCache
 
     generator = torch.Generator().manual_seed(1)
@@ -112,6 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=2, help="layers per model (default 2)")
     parser.add_argument("--rounds", type=int, default=1, help="runs per variant, alternating (default 1)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--bound", action="store_true",
+                        help="prefill: also time the patched model with attention costing nothing (its call returns "
+                             "the query): unpatched / that is the most any attention kernel could gain")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="bloom", help=argparse.SUPPRESS)
     parser.add_argument("--what", default="prefill", help=argparse.SUPPRESS)
@@ -129,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     for model in args.models:
         for what, length in runs:
             best = {}
-            for variant in ["unpatched", "patched"] * args.rounds:
+            variants = ["unpatched", "patched"] + (["no-attention"] if args.bound and what == "prefill" else [])
+            for variant in variants * args.rounds:
                 command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--what", what,
                            "--variant", variant, "--length", str(length), "--prompt", str(args.prompt), "--new",
                            str(args.new), "--layers", str(args.layers), "--threads", str(args.threads),
@@ -145,13 +154,17 @@ def main(argv: list[str] | None = None) -> None:
             label = f"{model:6s} {what} L={length}" + (f" (+{args.new} tokens)" if what == "decode" else "")
             for variant, r in best.items():
                 unit = "ms/token" if what == "decode" else "ms"
-                print(f"  {label:32s} {variant:9s} {r['seconds'] * 1e3:9.1f} {unit:8s} peak {r['peak_mib']:8.1f} MiB"
+                print(f"  {label:32s} {variant:12s} {r['seconds'] * 1e3:9.1f} {unit:8s} peak {r['peak_mib']:8.1f} MiB"
                       f"  threads {r['threads']}  {r['isa']}")
-            if len(best) == 2:
+            if "no-attention" in best and "unpatched" in best:
+                bound = best["unpatched"]["seconds"] / best["no-attention"]["seconds"]
+                print(f"  {label:32s} bound        {bound:5.2f}x (unpatched / no-attention: the most any attention "
+                      f"could gain)")
+            if "unpatched" in best and "patched" in best:
                 plain, patched = best["unpatched"], best["patched"]
                 memory = (f"{plain['peak_mib'] / patched['peak_mib']:5.2f}x less peak memory"
                           if min(plain["peak_mib"], patched["peak_mib"]) >= 1 else "peak memory under 1 MiB")
-                print(f"  {label:32s} ratio     {plain['seconds'] / patched['seconds']:5.2f}x faster, {memory} "
+                print(f"  {label:32s} ratio        {plain['seconds'] / patched['seconds']:5.2f}x faster, {memory} "
                       f"(unpatched / patched)")
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 

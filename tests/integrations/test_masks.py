@@ -55,6 +55,18 @@ def test_decoder_padding_and_causal_become_key_padding(query_len, query_start):
         assert torch.equal(visibility(mask, True, query_len, key_len, query_start).expand_as(expected), expected)
 
 
+@pytest.mark.parametrize("lengths", [[7, 7], [7, 5]])
+def test_a_decoding_step_gives_its_key_padding_or_nothing(lengths):
+    key_padding = padding(lengths, 7, left=True)
+    for hf in hf_masks(key_padding, 1, 6, causal=True):
+        mask, is_causal = relbias_mask_from_hf(hf, is_causal=True, query_start=6)
+        assert is_causal
+        if lengths == [7, 7]:
+            assert mask is None
+        else:
+            assert torch.equal(mask, key_padding[:, None, None, :])
+
+
 def test_static_cache_tail_is_left_to_the_causal_rule():
     # 4 tokens cached, 2 new queries at positions 4, 5, a cache of 10 slots: slots 6..9 are empty.
     key_padding = torch.ones(2, 10, dtype=torch.bool)

@@ -87,6 +87,8 @@ def relbias_mask_from_hf(
 
     alignment = resolve_alignment(query_len, key_len, query_start=query_start)  # a tensor query_start read here
     query_start = alignment.query_start
+    if query_len == 1 and query_start >= key_len - 1:  # a decoding step: the causal rule hides no key, the row is
+        return (None if bool(visible.all()) else visible), True  # the key padding mask (one reduction, no scans)
     causal = alignment.offsets(visible.device) >= 0  # (Lq, Lk)
     key_padding = visible.any(dim=2, keepdim=True)  # (B, 1, 1, Lk); keys no query may see are hidden anyway
     if not torch.equal(visible, causal & key_padding):
