@@ -34,6 +34,7 @@ the mask its model folds it into); the patch follows the sdpa path, which adds i
 
 from __future__ import annotations
 
+import functools
 import importlib
 import weakref
 from collections.abc import Callable
@@ -48,9 +49,8 @@ from ..functional import attention, attention_with_weights
 from .masks import relbias_mask_from_hf
 
 __all__ = [
-    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "dropout_probability", "first_instance",
-    "is_alibi_patched",
-    "patch_alibi", "unpatch_alibi",
+    "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "dropout_probability", "is_alibi_patched",
+    "patch_alibi", "replace_forwards", "unpatch_alibi",
 ]
 
 #: Modules under ``relbias.integrations`` that each patch one ALiBi architecture; see :func:`patch_alibi`.
@@ -96,14 +96,12 @@ def _architecture(name: str):
     return importlib.import_module(f"{__package__}.{name}")
 
 
-def first_instance(model: nn.Module, modeling: str, class_name: str) -> nn.Module | None:
-    """The first module of ``model`` (in ``modules()`` order) that is a ``transformers.models.{modeling}``
-    ``class_name``, or None (none, or transformers not installed)."""
-    try:
-        cls = getattr(importlib.import_module(f"transformers.models.{modeling}"), class_name)
-    except ImportError:
-        return None
-    return next((m for m in model.modules() if isinstance(m, cls)), None)
+def replace_forwards(patch: ALiBiPatch, layers, forward: Callable) -> None:
+    """Give each attention layer of ``layers`` the instance attribute ``forward = partial(forward, layer, patch)``
+    and record it in ``patch.layers``, from which :func:`unpatch_alibi` removes those attributes again."""
+    for layer in layers:
+        layer.forward = functools.partial(forward, layer, patch)
+        patch.layers.append(layer)
 
 
 def alibi_decoder(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -209,7 +207,7 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             no relative bias).
         ValueError: already patched; an unknown backend.
     """
-    from .transformers import _backend_names, check_transformers_version
+    from .transformers import _check_backend, check_transformers_version
 
     found = alibi_decoder(model)
     if found is None:
@@ -218,10 +216,7 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     name, base = found
     if is_alibi_patched(model):
         raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_alibi(model) first")
-    if backend is not None and backend not in _backend_names():
-        raise ValueError(
-            f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)"
-        )
+    _check_backend(backend)
     module = _architecture(name)
     module.check(base)
     slopes = module.slopes(base)
@@ -240,6 +235,8 @@ def unpatch_alibi(model: nn.Module) -> nn.Module:
     patch = getattr(model, _STATE_ATTR, None)
     if not isinstance(patch, ALiBiPatch):
         raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_alibi)")
+    for layer in patch.layers:
+        del layer.forward  # transformers' own forward again
     _architecture(patch.architecture).uninstall(patch.base, patch)
     delattr(model, _STATE_ATTR)
     return model

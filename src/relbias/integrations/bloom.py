@@ -9,20 +9,20 @@ dropout, and runs the attention itself with :func:`relbias.integrations.alibi_de
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, first_instance
+from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
+from .transformers import _first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``BloomModel`` in ``model``, or None."""
-    return first_instance(model, "bloom.modeling_bloom", "BloomModel")
+    return _first_instance(model, "bloom.modeling_bloom", "BloomModel")
 
 
 def check(base: nn.Module) -> None:
@@ -68,13 +68,9 @@ def _attention(layer, patch: ALiBiPatch, hidden_states, residual, alibi, attenti
 
 def install(base: nn.Module, patch: ALiBiPatch) -> None:
     """Give each ``BloomAttention`` of ``base`` the relbias forward."""
-    for block in base.h:
-        layer = block.self_attention
-        layer.forward = functools.partial(_attention, layer, patch)
-        patch.layers.append(layer)
+    replace_forwards(patch, (block.self_attention for block in base.h), _attention)
 
 
 def uninstall(base: nn.Module, patch: ALiBiPatch) -> None:
-    """transformers' own ``BloomAttention.forward`` again."""
-    for layer in patch.layers:
-        del layer.forward
+    """Nothing beyond the layers' forwards (:func:`~relbias.integrations.alibi_decoders.unpatch_alibi` restores
+    those) to restore."""

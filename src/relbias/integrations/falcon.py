@@ -18,20 +18,20 @@ heads and cached unrepeated).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, first_instance
+from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
+from .transformers import _first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "split_heads", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``FalconModel`` in ``model``, or None."""
-    return first_instance(model, "falcon.modeling_falcon", "FalconModel")
+    return _first_instance(model, "falcon.modeling_falcon", "FalconModel")
 
 
 def check(base: nn.Module) -> None:
@@ -91,16 +91,12 @@ def _attention(layer, patch: ALiBiPatch, hidden_states, alibi=None, attention_ma
 
 def install(base: nn.Module, patch: ALiBiPatch) -> None:
     """Give each ``FalconAttention`` of ``base`` the relbias forward; the model builds no bias."""
-    for block in base.h:
-        layer = block.self_attention
-        layer.forward = functools.partial(_attention, layer, patch)
-        patch.layers.append(layer)
+    replace_forwards(patch, (block.self_attention for block in base.h), _attention)
     patch.restore["use_alibi"] = base.use_alibi
     base.use_alibi = False
 
 
 def uninstall(base: nn.Module, patch: ALiBiPatch) -> None:
-    """transformers' own ``FalconAttention.forward`` and ``use_alibi`` again."""
-    for layer in patch.layers:
-        del layer.forward
+    """The model's own ``use_alibi`` again (:func:`~relbias.integrations.alibi_decoders.unpatch_alibi` restores the
+    layers' forwards)."""
     base.use_alibi = patch.restore.pop("use_alibi")

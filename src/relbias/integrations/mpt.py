@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..biases.alibi import mpt_alibi_slopes
-from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, first_instance
+from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
+from .transformers import _first_instance
 
 __all__ = ["TRANSFORMERS_ALIBI_BIAS_MAX", "base_model", "check", "install", "slopes", "uninstall"]
 
@@ -29,7 +30,7 @@ TRANSFORMERS_ALIBI_BIAS_MAX = 8.0
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``MptModel`` in ``model``, or None."""
-    return first_instance(model, "mpt.modeling_mpt", "MptModel")
+    return _first_instance(model, "mpt.modeling_mpt", "MptModel")
 
 
 def check(base: nn.Module) -> None:
@@ -86,16 +87,12 @@ def _record_output_attentions(patch: ALiBiPatch, base: nn.Module, args, kwargs) 
 
 def install(base: nn.Module, patch: ALiBiPatch) -> None:
     """Give each ``MptAttention`` of ``base`` the relbias forward; a pre-hook tells them about attentions."""
-    for block in base.blocks:
-        layer = block.attn
-        layer.forward = functools.partial(_attention, layer, patch)
-        patch.layers.append(layer)
+    replace_forwards(patch, (block.attn for block in base.blocks), _attention)
     handle = base.register_forward_pre_hook(functools.partial(_record_output_attentions, patch), with_kwargs=True)
     patch.restore["hook"] = handle
 
 
 def uninstall(base: nn.Module, patch: ALiBiPatch) -> None:
-    """transformers' own ``MptAttention.forward`` again; the pre-hook removed."""
-    for layer in patch.layers:
-        del layer.forward
+    """The pre-hook removed (:func:`~relbias.integrations.alibi_decoders.unpatch_alibi` restores the layers'
+    forwards)."""
     patch.restore.pop("hook").remove()

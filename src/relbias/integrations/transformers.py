@@ -175,6 +175,24 @@ def _backend_names() -> set[str]:
     return set(BACKENDS) | {inspect.signature(functional.attention).parameters["backend"].default}
 
 
+def _check_backend(backend: str | None) -> None:
+    """A patch's ``backend``: None (``relbias.attention``'s default) or a name it accepts; ValueError otherwise."""
+    if backend is not None and backend not in _backend_names():
+        raise ValueError(f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)")
+
+
+def _first_instance(model: nn.Module, modeling: str, class_name: str) -> nn.Module | None:
+    """The first module of ``model`` (in ``modules()`` order) that is a ``transformers.models.{modeling}``
+    ``class_name``, or None (none, or transformers not installed)."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(f"transformers.models.{modeling}"), class_name)
+    except ImportError:
+        return None
+    return next((m for m in model.modules() if isinstance(m, cls)), None)
+
+
 def _compute_bias(attention_module: nn.Module, bias: T5Bias, state: _PatchState, query_length, key_length,
                   device=None, past_seen_tokens=0) -> T5PositionBias:
     """Replacement of ``T5Attention.compute_bias``: the bias module and positions, no tensor.
@@ -533,8 +551,7 @@ def patch_t5(
     _check_layout(attention_cls)
     if is_patched(model):
         raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_t5(model) first")
-    if backend is not None and backend not in _backend_names():
-        raise ValueError(f"unknown backend {backend!r}; available: {sorted(_backend_names())} (or None for the default)")
+    _check_backend(backend)
     parallel = None
     if process_group is not None:
         import torch.distributed as dist
