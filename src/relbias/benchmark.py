@@ -7,7 +7,7 @@ same run:
 * ``sdpa_bias``: SDPA with the (H, N, N) bias materialised as ``attn_mask`` (causal mask folded in);
 * ``eager``: the Hugging Face T5 path: ``q @ k^T + bias (+ mask)``, softmax in float32, ``@ v``;
 * every registered backend (:data:`relbias.backends.BACKENDS`) through :func:`relbias.attention`
-  (``reference``, ``flex`` and ``decode`` only when named: :data:`NOT_BY_DEFAULT`).
+  (``reference``, ``flex``, ``decode`` and ``triton`` only when named: :data:`NOT_BY_DEFAULT`).
 
 Time (ms): warm-up rounds first (:func:`warmup_rounds`), then timed rounds, the methods interleaved
 round-robin so that load from other processes hits them alike; as many rounds as fill a time budget
@@ -39,8 +39,8 @@ __all__ = ["BASELINES", "NOT_BY_DEFAULT", "busy_warning", "default_methods", "lo
 #: bias-free SDPA (the 1.00x baseline), SDPA with the bias materialised, the Hugging Face eager path.
 BASELINES = ("sdpa", "sdpa_bias", "eager")
 #: backends measured only when named: reference materialises the scores (what sdpa_bias and eager show);
-#: flex compiles per shape (minutes on CPU, and no backward there).
-NOT_BY_DEFAULT = ("reference", "flex", "decode")  # decode: few queries only (a decoding step), not N x N
+#: flex compiles per shape (minutes on CPU, and no backward there); triton runs on CUDA (on CPU only interpreted).
+NOT_BY_DEFAULT = ("reference", "flex", "decode", "triton")  # decode: few queries only (a decoding step), not N x N
 _MATERIALISING = ("sdpa_bias", "eager", "reference")
 
 

@@ -30,7 +30,7 @@ def choose_backend(call: AttentionCall) -> tuple[Backend, str]:
         # costlier checks (flex's one-time compiled probe, the scan of hidden keys)
         reasons = backend.auto_reasons(call) or backend.unsupported_reasons(call)
         if not reasons:
-            why = backend.summary
+            why = backend.explain(call)
             return backend, why + (f" (not {'; not '.join(passed)})" if passed else "")
         passed.append(f"{backend.name}: {'; '.join(reasons)}")
     raise ValueError(f"no registered backend can run this call: {'; '.join(passed)}")
@@ -50,7 +50,7 @@ def resolve_backend(name: str, call: AttentionCall) -> tuple[Backend, str]:
     reasons = backend.unsupported_reasons(call)
     if reasons:
         raise ValueError(f"backend {name!r} cannot run this call: {'; '.join(reasons)}")
-    return backend, backend.summary
+    return backend, backend.explain(call)
 
 
 def explain_backend(

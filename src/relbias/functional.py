@@ -76,6 +76,10 @@ def attention(
             * "decode": few queries (at most 16): the bias rows read by one fused kernel call (relbias' native
               toeplitz forward, or CPU flash attention with the rows as its mask), as fast as bias-free attention;
               inference
+            * "triton": offset-only bias read from its per-offset values, no mask or a bool key padding mask,
+              dropout and packed sequences inside the kernels: fused Triton FlashAttention-2 forward and backward
+              with a deterministic bias gradient (CUDA; CPU tensors only under the Triton interpreter); memory
+              O(N·D)
             * "flex": FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory
               O(N·D)
             * "toeplitz": offset-only bias read from its per-offset values, no mask or a bool key padding mask,
@@ -92,7 +96,7 @@ def attention(
             is exactly the undropped one), as SDPA's ``dropout_p``; kept probabilities are scaled by
             ``1 / (1 - dropout_p)``. The mask is counter-based, a hash of (seed, batch, head, query position,
             key position), so a backward pass regenerates it and every tiling drops the same entries; the
-            reference, blockwise and toeplitz (inside its native kernels, where they run) backends apply it,
+            reference, blockwise, toeplitz (inside its native kernels, where they run) and triton backends apply it,
             decode, structured and flex refuse it. Applied whatever the module's training mode: pass 0 for
             evaluation.
         generator: the torch.Generator from which the call's mask seed is drawn (default: torch's global RNG,

@@ -3,9 +3,10 @@
 Several sequences concatenated along the length (no padding), with their boundaries ``cu_seqlens`` (cumulative
 lengths, as FlashAttention's ``flash_attn_varlen_func`` and Hugging Face's ``DataCollatorWithFlattening`` give
 them): each query attends only to keys of its own sequence, and positions restart at 0 at each sequence start, so
-every bias sees the offsets its sequence alone would have. Each sequence runs as its own
-:func:`relbias.attention` call through the backend contract (the fused kernels never form a tile that crosses a
-boundary), so the result and its gradients equal running the sequences one by one.
+every bias sees the offsets its sequence alone would have. On CUDA (or with ``backend="triton"``), the triton backend
+runs every sequence in one launch of its kernels where it can (:mod:`relbias.backends.triton.varlen`); otherwise each
+sequence runs as its own :func:`relbias.attention` call through the backend contract. Either way no tile crosses a
+boundary, and the result and its gradients equal running the sequences one by one.
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def attention_varlen(
         cu_seqlens: the N + 1 boundaries, int (a list or a 1-D integer tensor, read on the host: O(N)), starting
             at 0, non-decreasing, ending at T. Empty sequences (equal neighbours) are allowed.
         bias: None or a :class:`relbias.RelativeBias` module (a bias tensor has no packed form).
-        is_causal, scale, convention, backend, return_lse: as :func:`relbias.attention`, per sequence.
+        is_causal, scale, convention, return_lse: as :func:`relbias.attention`, per sequence.
+        backend: as :func:`relbias.attention`; "auto" on CUDA and "triton" run the sequences in one launch of the
+            triton backend (``"auto"`` runs them one by one where it cannot), any other name one call per sequence.
         dropout_p, generator: attention dropout as :func:`relbias.attention`; each sequence draws its own mask
             seed from ``generator`` (or torch's global RNG), in order, so a seeded generator repeats the result.
 
@@ -75,6 +78,14 @@ def attention_varlen(
     bounds = _boundaries(cu_seqlens, query, key, value)
     if bias is not None and not isinstance(bias, RelativeBias):
         raise TypeError(f"attention_varlen takes a RelativeBias module or None as bias, got {type(bias).__name__}")
+    if backend == "triton" or (backend == "auto" and query.device.type == "cuda"):
+        from .backends.triton.varlen import packed_attention
+
+        packed = packed_attention(query, key, value, bounds, bias=bias, is_causal=is_causal, scale=scale,
+                                  convention=convention, backend=backend, return_lse=return_lse, dropout_p=dropout_p,
+                                  generator=generator)
+        if packed is not None:
+            return packed
     outs, lses = [], []
     kwargs = dict(bias=bias, is_causal=is_causal, scale=scale, convention=convention, backend=backend,
                   dropout_p=dropout_p, generator=generator, return_lse=return_lse)

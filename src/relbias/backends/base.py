@@ -50,6 +50,10 @@ class Backend(abc.ABC):
         """
         return []
 
+    def explain(self, call: AttentionCall) -> str:
+        """The sentence ``explain_backend`` gives when this backend runs ``call`` (default :attr:`summary`)."""
+        return self.summary
+
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         """Run a call that :meth:`unsupported_reasons` accepts.

@@ -13,6 +13,7 @@ from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .structured import StructuredBackend
 from .toeplitz import ToeplitzBackend
+from .triton import TritonBackend
 
 __all__ = ["BACKENDS", "register_backend", "unregister_backend"]
 
@@ -60,6 +61,7 @@ def unregister_backend(name: str) -> Backend:
 
 _PRIORITY = (
     DecodeBackend(),  # few queries: the bias rows as one fused kernel's additive mask (CPU, inference)
+    TritonBackend(),  # offset-only biases on CUDA: fused Triton kernels, forward and backward, after a one-time check
     FlexBackend(),  # fused with the bias in score_mod; auto takes it on CUDA for inference
     ToeplitzBackend(),  # offset-only biases: a strided view of the per-offset values as the fused kernel's mask
     StructuredBackend(),  # far-constant biases: bias-free fused far parts + a tiled band

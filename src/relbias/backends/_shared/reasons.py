@@ -7,8 +7,8 @@ import torch
 from ...call import AttentionCall
 
 __all__ = [
-    "AUTO_REFERENCE_MAX_SCORES", "dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "small_block_reasons",
-    "tensor_bias_reasons", "tensor_position_reasons",
+    "AUTO_REFERENCE_MAX_SCORES", "dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "offset_kernel_reasons",
+    "small_block_reasons", "tensor_bias_reasons", "tensor_position_reasons",
 ]
 
 #: "auto" passes the tiled backends (flex, structured, blockwise) over for the reference when B·H·Lq·Lk is at
@@ -59,7 +59,7 @@ def dropout_reasons(call: AttentionCall, kernel: str) -> list[str]:
         return []
     return [
         f"attention dropout (dropout_p={call.dropout.p}) needs relbias' counter-based mask, which {kernel} does not "
-        f"draw; reference, blockwise and toeplitz (where its native kernels run) apply it"
+        f"draw; reference, blockwise, toeplitz (where its native kernels run) and triton (CUDA) apply it"
     ]
 
 
@@ -82,3 +82,21 @@ def tensor_position_reasons(call: AttentionCall, backend: str) -> list[str]:
         f"the positions are tensors (a compiled static cache); {backend} plans its work from int positions "
         f"(reference and decode run such calls)"
     ]
+
+
+def offset_kernel_reasons(call: AttentionCall) -> list[str]:
+    """Why kernels that read an offset-only bias per offset and a per-key padding row (toeplitz, triton) cannot run
+    ``call``: no bias, a bias that reads absolute positions, a mask other than a bool key padding mask."""
+    from ...biases.base import RelativeBias
+
+    reasons = []
+    bias = call.bias
+    if bias is None:
+        reasons.append("there is no bias; bias-free attention needs no bias kernel (use blockwise or SDPA)")
+    elif isinstance(bias, RelativeBias) and not bias.offset_only:
+        reasons.append(f"{type(bias).__name__} reads absolute positions, so its bias has no per-offset values to read")
+    if call.mask is not None and call.key_padding is None:
+        reasons.append("the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk): the kernels read the "
+                       "bias and a per-key padding row, not a mask with a query dimension or a float mask "
+                       "(those go to blockwise)")
+    return reasons

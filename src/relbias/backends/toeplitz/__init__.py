@@ -47,7 +47,9 @@ import torch
 from ...biases.base import RelativeBias
 from ...call import AttentionCall
 from .._shared.cpu_flash import cpu_flash_reasons
-from .._shared.reasons import non_finite_reasons, tensor_bias_reasons, tensor_position_reasons
+from .._shared.reasons import (
+    non_finite_reasons, offset_kernel_reasons, tensor_bias_reasons, tensor_position_reasons,
+)
 from .._shared.masks import additive_mask
 from ._kernel import part_backward, toeplitz_apply
 from ._native import native_unavailable_reason
@@ -84,16 +86,7 @@ class ToeplitzBackend(Backend):
             if why_not_native is not None:
                 reasons.append(f"attention dropout (dropout_p={call.dropout.p}) runs in the native kernels only, "
                                f"which are unavailable ({why_not_native}); blockwise applies it")
-        bias = call.bias
-        if not isinstance(bias, RelativeBias):
-            if bias is None:
-                reasons.append("there is no bias; bias-free attention needs no bias view (use blockwise or SDPA)")
-        elif not bias.offset_only:
-            reasons.append(f"{type(bias).__name__} reads absolute positions, so its bias is not a Toeplitz matrix")
-        if call.mask is not None and call.key_padding is None:
-            reasons.append("the mask is not a bool key padding mask (B or 1, H or 1, 1, Lk): the kernels read the "
-                           "bias and a per-key padding row, not a mask with a query dimension or a float mask "
-                           "(those go to blockwise)")
+        reasons += offset_kernel_reasons(call)
         reasons += cpu_flash_reasons(call)
         return reasons or non_finite_reasons(call, "the fused kernel")
 

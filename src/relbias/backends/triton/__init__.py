@@ -1,0 +1,130 @@
+"""The triton backend: fused attention with an offset-only bias on CUDA, forward and backward, in Triton.
+
+The toeplitz design on a GPU. FlashAttention-2's tiles (Dao 2023, Alg. 1 and 2) read the bias of entry (i, j) from
+the per-offset values of the bias's native form (:meth:`relbias.RelativeBias.native`: ``values[h, i - j + Lk - 1]``),
+so no (Lq, Lk) tensor is formed, for every offset-only family (T5, per-offset, ALiBi, KERPLE, offset-only
+``FunctionBias``). Kernels, one concept per module:
+
+- :mod:`._forward`: the online-softmax forward, returning the output and the log-sum-exp (the seam context parallel
+  and split-KV merges use); causal tiles beyond the diagonal and wholly padded key tiles are skipped.
+- :mod:`._backward`: dq, and dk with dv, in two kernels without atomics.
+- :mod:`._bias_grad`: the bias-table gradient, summed along each tile's diagonals into one accumulator per (band of
+  tiles, head) and folded on the host in a fixed order: deterministic, O(N) memory, no float atomics.
+- :mod:`._tiles`: the scores of a tile and the dropout bits, the counter-based mask of :mod:`relbias._dropout` bit
+  for bit, so for one seed the GPU drops exactly the entries the CPU kernels and the reference drop.
+
+It takes causal and bidirectional calls, Lq != Lk with any query and key positions, a bool key padding mask
+(B or 1, H or 1, 1, Lk), attention dropout, packed sequences (:func:`relbias.attention_varlen`: one launch, tiles
+never crossing a boundary), float32 (multiplied in full float32, not TF32), float16 and bfloat16 with float32
+accumulation. Tiles hold :data:`BLOCK` rows on CUDA, :data:`INTERPRETED_BLOCK` under the interpreter.
+
+Where it runs: on CUDA, ``auto`` takes it for every call it supports once :func:`._support.kernel_check` has
+compared the compiled kernels with the reference on that device (a failed check is a refusal ``explain_backend``
+shows, and the next backend runs). With ``TRITON_INTERPRET=1`` set before relbias loads the kernels, the Triton
+interpreter runs them on CPU tensors: ``backend="triton"`` then accepts CPU float32 and float16 calls (the
+interpreter has no bfloat16), slowly, to test the kernels without a GPU; ``auto`` never picks it on CPU. Not traced
+by torch.compile (such calls go to flex or blockwise). Saved for backward: O(B·H·L·D).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...call import AttentionCall
+from .._shared.reasons import (
+    empty_axis_reasons, non_finite_reasons, offset_kernel_reasons, tensor_bias_reasons, tensor_position_reasons,
+)
+from ..base import Backend
+from ._support import device_reason, kernel_check
+
+__all__ = ["BLOCK", "INTERPRETED_BLOCK", "TritonBackend", "triton_attention"]
+
+#: Query and key rows per tile on CUDA (tokens).
+BLOCK = 64
+#: Query and key rows per tile under the Triton interpreter (tokens): small calls still span several tiles.
+INTERPRETED_BLOCK = 16
+
+
+class TritonBackend(Backend):
+    """Offset-only biases on CUDA: Triton FlashAttention-2 kernels reading the bias per offset."""
+
+    name = "triton"
+    summary = (
+        "offset-only bias read from its per-offset values, no mask or a bool key padding mask, dropout and packed "
+        "sequences inside the kernels: fused Triton FlashAttention-2 forward and backward with a deterministic bias "
+        "gradient (CUDA; CPU tensors only under the Triton interpreter); memory O(N·D)"
+    )
+
+    def explain(self, call: AttentionCall) -> str:
+        if call.query.device.type == "cpu":
+            return self.summary + "; here it runs under the Triton interpreter (TRITON_INTERPRET=1): slowly, for testing"
+        return self.summary
+
+    def unsupported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = tensor_bias_reasons(call) + tensor_position_reasons(call, "triton")
+        reasons += offset_kernel_reasons(call)
+        if torch.compiler.is_compiling():
+            reasons.append("the Triton kernels are not traced by torch.compile (flex or blockwise run compiled calls)")
+        reasons += empty_axis_reasons(call, "the Triton kernels")
+        d, dv = call.query.shape[-1], call.value.shape[-1]
+        why_not = device_reason(call.query.device, call.query.dtype, d, dv)
+        if why_not:
+            reasons.append(why_not)
+        if reasons:
+            return reasons
+        if call.query.device.type == "cuda":
+            failed = kernel_check(call.query.device, call.query.dtype, d, dv)
+            if failed:
+                return [failed]
+        return non_finite_reasons(call, "the Triton kernels")
+
+    def auto_reasons(self, call: AttentionCall) -> list[str]:
+        if call.query.device.type != "cuda":
+            return [f"auto takes triton on CUDA only (on {call.query.device.type} it runs only under the Triton "
+                    f"interpreter, for testing)"]
+        return []
+
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return triton_attention(call)
+
+
+def triton_attention(call: AttentionCall, *, block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention with an offset-only bias on a validated call that :class:`TritonBackend` accepts; the formula
+    is :func:`relbias.attention`'s.
+
+    Shapes: query (B, H, Lq, D), key (B, H, Lk, D), value (B, H, Lk, Dv) on CUDA (or CPU under the interpreter)
+    -> out (B, H, Lq, Dv) in the dtype of ``query`` and lse (B, H, Lq) float32, -inf (and out 0) for a query that
+    sees no key; differentiable in query, key, value and the bias parameters. ``block``: rows per tile, a power of
+    two >= 16 (default :data:`BLOCK`, :data:`INTERPRETED_BLOCK` under the interpreter).
+    """
+    from ._function import triton_apply
+
+    plan = make_plan(call, block)
+    padding = call.key_padding
+    padding = None if padding is None else padding.to(torch.uint8)
+    return triton_apply(call.query, call.key, call.value, call.native_bias().values, padding, plan)
+
+
+def make_plan(call: AttentionCall, block: int | None, *, cu_seqlens: torch.Tensor | None = None,
+              seeds: list[int] | None = None, max_len: int = 0):
+    """The kernels' :class:`._plan.Plan` for ``call`` (for packed sequences: ``call`` is the longest one's, with the
+    boundaries ``cu_seqlens``, each sequence's dropout seed and the longest length)."""
+    from ._plan import Plan
+
+    device = call.query.device
+    dropout = call.dropout
+    if block is None:
+        block = INTERPRETED_BLOCK if device.type == "cpu" else BLOCK
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 16, got {block}")
+    if dropout is not None and seeds is None:
+        seeds = [dropout.seed]
+    return Plan(
+        scale=float(call.scale), bias_scale=float(call.bias_scale), is_causal=call.is_causal,
+        delta=0 if cu_seqlens is not None else int(call.delta),
+        query_pos=0 if dropout is None else int(dropout.query_start),
+        key_pos=0 if dropout is None else int(dropout.key_start),
+        dropout_p=0.0 if dropout is None else dropout.p,
+        seeds=None if dropout is None else torch.tensor(seeds, dtype=torch.int32, device=device),
+        cu_seqlens=cu_seqlens, max_len=max_len, block=block,
+    )

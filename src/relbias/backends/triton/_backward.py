@@ -1,0 +1,180 @@
+"""The backward kernels for dq, dk and dv: FlashAttention-2's backward (Dao 2023, Alg. 2), deterministic.
+
+Two kernels, neither with atomics: one program per (key tile, head, sequence) walks the query tiles that see its keys
+and accumulates dk and dv; one per (query tile, head, sequence) walks the key tiles its queries see and accumulates
+dq. Both recompute ``P = exp(s - lse)`` from the forward's log-sum-exp (``+inf`` for a query that saw no key, so its
+P is 0) and form ``dS = P * (dP - D)`` with ``D = dO . out - grad_lse``; dropout regenerates the forward's mask. The
+bias-table gradient is :mod:`relbias.backends.triton._bias_grad`'s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._plan import Plan, block_dim, precision
+from ._tiles import keep_mask, key_row, sequence, tile_scores
+
+__all__ = ["backward_dkdv", "backward_dq", "score_grad_tile"]
+
+
+@triton.jit
+def score_grad_tile(q, k, v, do, lse, di, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, scale, bias_scale,
+                    seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
+                    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                    PRECISION: tl.constexpr):
+    """(P after dropout, dS) of one tile, both (M, N) float32: the probabilities that multiplied the values, and
+    the gradient of the scores ``dS = P * (dP - D)`` (before the score scale)."""
+    s, visible = tile_scores(q, k, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, scale, bias_scale,
+                             IS_CAUSAL, HAS_PAD, PRECISION)
+    p = tl.exp(s - lse[:, None])
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    if HAS_DROPOUT:
+        keep = keep_mask(seed, b, h, query_pos + offs_m, key_pos + offs_n, drop_threshold)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+        p_dropped = tl.where(keep, p * drop_scale, 0.0)
+    else:
+        p_dropped = p
+    return p_dropped, p * (dp - di[:, None])
+
+
+@triton.jit
+def load_rows(Q, DO, LSE, DI, b, h, q0, offs_m, lq, offs_d, offs_dv, D, DV, sqb, sqh, sql, sdb, sdh, sdl, slb, slh):
+    """A query tile's q (M, BLOCK_D), dO (M, BLOCK_DV), lse (M,) (+inf beyond the length) and D (M,)."""
+    rows = offs_m < lq
+    q = tl.load(Q + b * sqb + h * sqh + (q0 + offs_m)[:, None] * sql + offs_d[None, :],
+                mask=rows[:, None] & (offs_d[None, :] < D), other=0.0)
+    do = tl.load(DO + b * sdb + h * sdh + (q0 + offs_m)[:, None] * sdl + offs_dv[None, :],
+                 mask=rows[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    lse = tl.load(LSE + b * slb + h * slh + q0 + offs_m, mask=rows, other=float("inf"))
+    di = tl.load(DI + b * slb + h * slh + q0 + offs_m, mask=rows, other=0.0)
+    return q, do, lse, di
+
+
+@triton.jit
+def load_keys(K, V, b, h, k0, offs_n, lk, offs_d, offs_dv, D, DV, skb, skh, skl, svb, svh, svl):
+    """A key tile's k (N, BLOCK_D) and v (N, BLOCK_DV), zero beyond the length."""
+    cols = offs_n < lk
+    k = tl.load(K + b * skb + h * skh + (k0 + offs_n)[:, None] * skl + offs_d[None, :],
+                mask=cols[:, None] & (offs_d[None, :] < D), other=0.0)
+    v = tl.load(V + b * svb + h * svh + (k0 + offs_n)[:, None] * svl + offs_dv[None, :],
+                mask=cols[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    return k, v
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, DK, DV_OUT,
+    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
+    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
+    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    h = tl.program_id(1)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    start_n = tl.program_id(0) * BLOCK
+    if start_n < lk:
+        offs_n = start_n + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        k, v = load_keys(K, V, b, h, k0, offs_n, lk, offs_d, offs_dv, D, DV, skb, skh, skl, svb, svh, svl)
+        dk = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+        dv = tl.zeros((BLOCK, BLOCK_DV), tl.float32)
+        kp, any_kept = key_row(PAD, b, h, spb, sph, offs_n, lk, HAS_PAD)
+        start = 0
+        if IS_CAUSAL:  # the first query that sees key start_n: i >= start_n - delta
+            start = (tl.maximum(start_n - delta, 0) // BLOCK) * BLOCK
+        if any_kept:
+            for start_m in range(start, lq, BLOCK):
+                offs_m = start_m + tl.arange(0, BLOCK)
+                q, do, lse, di = load_rows(Q, DO, LSE, DI, b, h, q0, offs_m, lq, offs_d, offs_dv, D, DV,
+                                           sqb, sqh, sql, sdb, sdh, sdl, slb, slh)
+                p, ds = score_grad_tile(q, k, v, do, lse, di, W + h * swh, kp, offs_m, offs_n, lq, lk, delta, val_off,
+                                        scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
+                                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, PRECISION)
+                dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
+                dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
+        cols = offs_n < lk
+        tl.store(DK + b * skb + h * skh + (k0 + offs_n)[:, None] * skl + offs_d[None, :],
+                 (dk * scale).to(DK.dtype.element_ty), mask=cols[:, None] & (offs_d[None, :] < D))
+        tl.store(DV_OUT + b * svb + h * svh + (k0 + offs_n)[:, None] * svl + offs_dv[None, :],
+                 dv.to(DV_OUT.dtype.element_ty), mask=cols[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, DQ,
+    sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
+    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
+    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+):
+    h = tl.program_id(1)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    start_m = tl.program_id(0) * BLOCK
+    if start_m < lq:
+        offs_m = start_m + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        q, do, lse, di = load_rows(Q, DO, LSE, DI, b, h, q0, offs_m, lq, offs_d, offs_dv, D, DV,
+                                   sqb, sqh, sql, sdb, sdh, sdl, slb, slh)
+        dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
+        end = lk
+        if IS_CAUSAL:
+            end = tl.maximum(tl.minimum(lk, start_m + BLOCK + delta), 0)
+        for start_n in range(0, end, BLOCK):
+            offs_n = start_n + tl.arange(0, BLOCK)
+            kp, any_kept = key_row(PAD, b, h, spb, sph, offs_n, lk, HAS_PAD)
+            if any_kept:
+                k, v = load_keys(K, V, b, h, k0, offs_n, lk, offs_d, offs_dv, D, DV, skb, skh, skl, svb, svh, svl)
+                p, ds = score_grad_tile(q, k, v, do, lse, di, W + h * swh, kp, offs_m, offs_n, lq, lk, delta, val_off,
+                                        scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
+                                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, PRECISION)
+                dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        tl.store(DQ + b * sqb + h * sqh + (q0 + offs_m)[:, None] * sql + offs_d[None, :],
+                 (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_d[None, :] < D))
+
+
+def launch_args(query, key, value, grad_out, lse, w, padding, plan: Plan) -> tuple[list, dict]:
+    """The positional and keyword arguments shared by the backward kernels after their tensor arguments: strides
+    (query's for dq, key's for dk, value's for dv; ``grad_out`` contiguous like ``query``), sizes, settings."""
+    _, h, lq, d = query.shape
+    lk, dv = key.shape[2], value.shape[-1]
+    seeds, threshold, keep_scale = plan.dropout_args(query.device)
+    pad_strides = (padding.stride(0) if padding.shape[0] > 1 else 0, padding.stride(1) if padding.shape[1] > 1 else 0) \
+        if padding is not None else (0, 0)
+    args = [
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3], *lse.stride()[:2],
+        w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
+        lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
+        plan.key_pos, threshold, keep_scale,
+    ]
+    meta = dict(IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
+                IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
+                PRECISION=precision(query.dtype))
+    return [plan.lengths_arg(query.device), seeds], args, meta
+
+
+def backward_dkdv(query, key, value, grad_out, lse, di, w, padding, plan: Plan):
+    """(dk, dv), contiguous, in the dtypes of ``key`` and ``value``; arguments as :func:`backward_dq`."""
+    lengths, args, meta = launch_args(query, key, value, grad_out, lse, w, padding, plan)
+    dk, dv = torch.empty_like(key), torch.empty_like(value)
+    assert dk.stride() == key.stride() and dv.stride() == value.stride(), "key and value must be contiguous"
+    grid = (plan.tiles(key.shape[2]), query.shape[1], plan.sequences(query))
+    _dkdv_kernel[grid](query, key, value, grad_out, lse, di, w, padding if padding is not None else w, *lengths,
+                       dk, dv, *args, **meta)
+    return dk, dv
+
+
+def backward_dq(query, key, value, grad_out, lse, di, w, padding, plan: Plan):
+    """dq, contiguous, in the dtype of ``query``. ``grad_out`` (B, H, Lq, Dv) contiguous; ``lse`` (B, H, Lq)
+    float32 with +inf for queries that saw no key; ``di`` like ``lse``: ``dO . out - grad_lse``; the rest as
+    :func:`relbias.backends.triton._forward.forward`'s (query, key and value contiguous)."""
+    lengths, args, meta = launch_args(query, key, value, grad_out, lse, w, padding, plan)
+    dq = torch.empty_like(query)
+    assert dq.stride() == query.stride(), "query must be contiguous"
+    grid = (plan.tiles(query.shape[2]), query.shape[1], plan.sequences(query))
+    _dq_kernel[grid](query, key, value, grad_out, lse, di, w, padding if padding is not None else w, *lengths,
+                     dq, *args, **meta)
+    return dq
