@@ -13,7 +13,7 @@ import relbias
 from relbias.backends import BACKENDS
 from relbias.backends.toeplitz import _native
 
-BUILT_IN = ["decode", "flex", "toeplitz", "structured", "blockwise", "reference"]
+BUILT_IN = ["decode", "triton", "flex", "toeplitz", "structured", "blockwise", "reference"]
 
 
 def _words(text: str) -> str:
@@ -34,7 +34,7 @@ def test_the_backends_page_has_a_row_for_each_backend():
 def test_dropout_refusals_name_the_backends_that_apply_it_and_they_do():
     q = torch.randn(1, 2, 64, 8)
     bias = relbias.T5Bias(2, bidirectional=False)
-    with pytest.raises(ValueError, match="reference, blockwise and toeplitz") as refused:
+    with pytest.raises(ValueError, match=r"reference, blockwise, toeplitz \(where its native kernels run\) and triton") as refused:
         relbias.attention(q, q, q, bias=bias, is_causal=True, dropout_p=0.1, backend="structured")
     assert "dropout" in str(refused.value)
     applying = ["reference", "blockwise"] + (["toeplitz"] if _native.load_native() is not None else [])

@@ -16,6 +16,8 @@ from relbias.backends import BACKENDS
 from relbias.biases import FAMILIES, make_bias
 from relbias.dispatch import explain_backend
 
+from .._markers import triton_runs_on_cpu
+
 #: Families to cover: every registered one, plus variants that make the structured backend split off
 #: far parts at small lengths (T5 with few buckets, a clipped per-offset table).
 FAMILY_CASES = sorted(FAMILIES) + ["t5_small", "offset_clip"]
@@ -79,7 +81,8 @@ def run(backend, query, key, value, bias, *, grad_out=None, **kwargs):
     return [out.detach()] + grads
 
 
-FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]  # from the registry
+FAST_BACKENDS = [name for name in BACKENDS  # from the registry (triton where it takes CPU tensors)
+                 if name != "reference" and (name != "triton" or triton_runs_on_cpu())]
 B, H, D = 2, 3, 16
 
 

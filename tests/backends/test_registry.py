@@ -72,7 +72,7 @@ def test_registry_refuses_duplicates_reserved_names_and_non_backends():
 
 
 def test_priority_order_and_every_backend_keeps_the_contract():
-    assert list(BACKENDS) == ["decode", "flex", "toeplitz", "structured", "blockwise", "reference"]
+    assert list(BACKENDS) == ["decode", "triton", "flex", "toeplitz", "structured", "blockwise", "reference"]
     q, k, v = (torch.randn(1, 2, 5, 4) for _ in range(3))
     call = relbias.call.make_call(q, k, v, bias=relbias.T5Bias(2), return_lse=True)
     want, want_lse = reference_attention(call)

@@ -12,11 +12,13 @@ from relbias.backends import BACKENDS
 from relbias.biases import FAMILIES, make_bias
 from relbias.dispatch import explain_backend
 
+from .._markers import triton_runs_on_cpu
+
 #: Every registered family, plus variants that let the structured backend split off far parts at small
 #: lengths (T5 with few buckets, a clipped per-offset table).
 FAMILY_CASES = sorted(FAMILIES) + ["t5_small", "offset_clip"]
 #: Every registered backend but the oracle, in priority order.
-FAST_BACKENDS = [name for name in BACKENDS if name != "reference"]
+FAST_BACKENDS = [name for name in BACKENDS if name != "reference" and (name != "triton" or triton_runs_on_cpu())]
 
 
 def build_bias(name: str, *, num_heads: int, bidirectional: bool, max_len: int = 16):

@@ -1,0 +1,57 @@
+"""Where the triton backend runs and what it says: named on CPU under the interpreter it runs and explain_backend
+says so; auto never takes it on CPU; calls it cannot run are refused with the reason (no bias, a mask with a query
+dimension, bfloat16 under the interpreter, NaN in a hidden key, triton not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import relbias
+
+from ._triton_cases import require_interpreter
+
+require_interpreter()
+
+
+def test_named_on_cpu_it_runs_interpreted_and_auto_passes_it_over():
+    q = torch.randn(1, 2, 20, 8)
+    bias = relbias.T5Bias(2)
+    name, reason = relbias.explain_backend(q, q, q, bias=bias, backend="triton")
+    assert name == "triton" and "runs under the Triton interpreter (TRITON_INTERPRET=1)" in reason
+    name, reason = relbias.explain_backend(q, q, q, bias=bias)
+    assert name != "triton" and "not triton: auto takes triton on CUDA only" in reason
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(), "there is no bias"),
+    (dict(bias=relbias.T5Bias(2), mask=torch.ones(20, 20, dtype=torch.bool)), "not a bool key padding mask"),
+    (dict(bias=relbias.FIREBias(2)), "FIREBias reads absolute positions"),
+    (dict(bias=relbias.T5Bias(2), dtype=torch.bfloat16), "has no bfloat16"),
+    (dict(bias=relbias.T5Bias(2), dtype=torch.float64), "not torch.float64"),
+    (dict(bias=relbias.T5Bias(2, bidirectional=False), is_causal=True, nan_key=True), "NaN/inf"),
+])
+def test_calls_it_cannot_run_are_refused_with_the_reason(kwargs, words):
+    q = torch.randn(1, 2, 20, 8, dtype=kwargs.pop("dtype", torch.float32))
+    k = q.clone()
+    if kwargs.pop("nan_key", False):
+        k[0, 0, 15] = float("nan")  # hidden from the early queries of a causal call
+    with pytest.raises(ValueError, match="backend 'triton' cannot run this call") as refused:
+        relbias.attention(q, k, q, backend="triton", **kwargs)
+    assert words in str(refused.value)
+
+
+def test_without_triton_the_reason_says_to_install_the_extra(monkeypatch):
+    from relbias.backends.triton import _support
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else real(name, *a))
+    _support.triton_missing_reason.cache_clear()
+    try:
+        q = torch.randn(1, 2, 20, 8)
+        with pytest.raises(ValueError, match=r"triton is not installed \(pip install 'relbias\[triton\]'\)"):
+            relbias.attention(q, q, q, bias=relbias.T5Bias(2), backend="triton")
+    finally:
+        _support.triton_missing_reason.cache_clear()
