@@ -1,12 +1,14 @@
 """Check every relbias backend on a GPU: equivalence with the reference, then time and memory vs SDPA.
 
-Self-contained and short (under 3 minutes on one H200). On CUDA it runs, for a few shapes, each backend
+Self-contained and short (meant to finish within 5 minutes on one GPU). On CUDA it runs, for a few shapes, each backend
 that can run the call (``relbias.explain_backend`` says which cannot and why) against the fp32 reference:
 fp32 and bf16, forward and backward (query, key, value and bias-table gradients), causal and
 bidirectional, Lq != Lk with explicit positions, a padding mask. The bf16 bound is FlashAttention's
-rule: error <= 2 x (error of the reference run in bf16) + atol. Then a short timing / peak-memory
-comparison against bias-free SDPA (``torch.cuda.max_memory_allocated``, MiB above the inputs; time in ms,
-median of a few CUDA-event-timed calls after warm-up).
+rule: error <= 2 x (error of the reference run in bf16) + atol. Then time and peak memory of the triton
+backend, forward and forward+backward in bfloat16 at 1024 to 16384 tokens (causal; bidirectional at 8192),
+against bias-free SDPA (FlashAttention), SDPA with the bias materialised and FlexAttention with the bias
+captured as a per-offset vector (``torch.cuda.max_memory_allocated``, MiB above the inputs; time in ms, median of
+a few CUDA-event-timed calls after warm-up); and one t5-base-shaped fine-tuning step, patched against unpatched.
 
 Usage::
 
@@ -122,54 +124,132 @@ def _timed(fn, device, repeats=5):
     return statistics.median(times)
 
 
+def _flex_captured(bias, n: int, causal: bool, device: torch.device):
+    """FlexAttention with the T5 bias captured as a per-offset vector (its (H, 2n - 1) native values) in score_mod,
+    compiled once per shape; the bias-table gradient flows through the captured vector."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_mask = None
+    if causal:
+        block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n, device=device)
+
+    def run(q, k, v):
+        values = bias.native(n, n, query_start=0).values  # (H, 2n - 1): offset i - j at column i - j + n - 1
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + values[h, q_idx - kv_idx + n - 1].to(score.dtype)
+
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+
+    return run
+
+
 def performance(device: torch.device, small: bool, dtype: torch.dtype) -> list[str]:
-    """Lines: N, mode, method, ms, x sdpa, extra MiB, x sdpa."""
+    """Lines: N, mask, mode, method, ms, x sdpa, extra MiB, x sdpa. T5 bias (B=1, H=8, D=64, unscaled scores):
+    bias-free SDPA (the 1.00x baseline: FlashAttention on CUDA), SDPA with the bias materialised as its float mask,
+    the triton backend, FlexAttention with the bias captured per offset (at 8192 tokens only: it compiles per
+    shape)."""
     lines = []
-    sizes = [512, 1024] if small else [4096, 8192]
-    for n in sizes:
-        for causal in (True, False):
-            for mode in ("fwd", "fwdbwd"):
-                bias = relbias.T5Bias(8, bidirectional=not causal).to(device)
-                grad = mode == "fwdbwd"
-                q, k, v = (torch.randn(1, 8, n, 64, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+    cases = [(n, True) for n in ((256,) if small else (1024, 2048, 4096, 8192, 16384))]
+    cases += [(256 if small else 8192, False)]
+    for n, causal in cases:
+        for mode in ("fwd", "fwdbwd"):
+            bias = relbias.T5Bias(8, bidirectional=not causal).to(device)
+            grad = mode == "fwdbwd"
+            q, k, v = (torch.randn(1, 8, n, 64, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
+            flex = None
+            if device.type == "cuda" and n == 8192:
+                flex = _flex_captured(bias, n, causal, device)
 
-                def step(method):
-                    with torch.set_grad_enabled(grad):
-                        if method == "sdpa":
-                            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
-                        elif method == "sdpa_bias":
-                            pe = bias(n, n).to(dtype)
-                            if causal:
-                                pe = pe.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=device).tril(), float("-inf"))
-                            out = F.scaled_dot_product_attention(q, k, v, attn_mask=pe, scale=1.0)
-                        else:
-                            out = relbias.attention(q, k, v, bias=bias, is_causal=causal, backend=method)
-                        if grad:
-                            out.float().sum().backward()
+            def step(method):
+                with torch.set_grad_enabled(grad):
+                    if method == "sdpa":
+                        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=1.0)
+                    elif method == "sdpa_bias":
+                        pe = bias(n, n).to(dtype)
+                        if causal:
+                            future = ~torch.ones(n, n, dtype=torch.bool, device=device).tril()
+                            pe = pe.masked_fill(future, float("-inf"))
+                        out = F.scaled_dot_product_attention(q, k, v, attn_mask=pe, scale=1.0)
+                    elif method == "flex_captured":
+                        out = flex(q, k, v)
+                    else:
+                        out = relbias.attention(q, k, v, bias=bias, is_causal=causal, backend=method)
+                    if grad:
+                        out.float().sum().backward()
 
-                base = None
-                methods = ("sdpa", "sdpa_bias", "auto", "flex", "blockwise", "structured")
-                for method in methods if device.type == "cuda" else [m for m in methods if m != "flex"]:
-                    try:
-                        if device.type == "cuda":
-                            torch.cuda.synchronize()
-                            torch.cuda.reset_peak_memory_stats()
-                            before = torch.cuda.memory_allocated()
-                        step(method)
-                        mem = (torch.cuda.max_memory_allocated() - before) / 2**20 if device.type == "cuda" else float("nan")
-                        ms = _timed(lambda: step(method), device)
-                    except (ValueError, RuntimeError, TypeError) as exc:
-                        lines.append(f"{n:>5} {'causal' if causal else 'bidi':>6} {mode:>6} {method:>10}  n/a: {str(exc).splitlines()[0][:80]}")
-                        continue
-                    finally:
-                        for t in (q, k, v, *bias.parameters()):
-                            t.grad = None
-                    if base is None:
-                        base = (ms, mem)
-                    lines.append(
-                        f"{n:>5} {'causal' if causal else 'bidi':>6} {mode:>6} {method:>10} {ms:9.2f} {ms / base[0]:6.2f}x "
-                        f"{mem:9.1f} {mem / base[1] if base[1] == base[1] and base[1] > 0 else float('nan'):6.2f}x"
-                    )
+            base = None
+            methods = ["sdpa", "sdpa_bias", "triton"] + (["flex_captured"] if flex is not None else [])
+            for method in methods:
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        before = torch.cuda.memory_allocated()
+                    step(method)
+                    mem = float("nan")
+                    if device.type == "cuda":
+                        mem = (torch.cuda.max_memory_allocated() - before) / 2**20
+                    ms = _timed(lambda: step(method), device)
+                except Exception as exc:  # a method that cannot run here (out of memory, a refusal): say so
+                    lines.append(f"{n:>5} {'causal' if causal else 'bidi':>6} {mode:>6} {method:>13}  n/a: "
+                                 f"{type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
+                    continue
+                finally:
+                    for t in (q, k, v, *bias.parameters()):
+                        t.grad = None
+                if base is None:
+                    base = (ms, mem)
+                lines.append(
+                    f"{n:>5} {'causal' if causal else 'bidi':>6} {mode:>6} {method:>13} {ms:9.2f} {ms / base[0]:6.2f}x "
+                    f"{mem:9.1f} {mem / base[1] if base[1] == base[1] and base[1] > 0 else float('nan'):6.2f}x"
+                )
+    return lines
+
+
+def finetune_step(device: torch.device, small: bool) -> list[str]:
+    """One AdamW step of a t5-base-shaped T5ForConditionalGeneration (random weights, bfloat16 on CUDA), unpatched
+    (transformers' SDPA path) against patched (``relbias.integrations.transformers.patch_t5``): ms (median of 5
+    after 2 warm-up steps) and peak MiB above the model and optimizer state."""
+    try:
+        import transformers
+        from relbias.integrations.transformers import patch_t5
+    except ImportError as exc:
+        return [f"n/a: {exc}"]
+    batch, enc, dec = (2, 128, 32) if small else (8, 512, 128)
+    layers, d_model, heads = (2, 128, 4) if small else (12, 768, 12)
+    lines, times = [], {}
+    for variant in ("unpatched", "patched"):
+        torch.manual_seed(0)
+        config = transformers.T5Config(vocab_size=32128, d_model=d_model, d_kv=64, d_ff=4 * d_model,
+                                       num_layers=layers, num_heads=heads, dropout_rate=0.1,
+                                       decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+        model = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="sdpa")
+        model = model.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).train()
+        if variant == "patched":
+            patch_t5(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        ids = torch.randint(0, 32128, (batch, enc), device=device)
+        labels = torch.randint(0, 32128, (batch, dec), device=device)
+
+        def step():
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        ms = _timed(step, device)
+        mem = (torch.cuda.max_memory_allocated() - before) / 2**20 if device.type == "cuda" else float("nan")
+        times[variant] = ms
+        lines.append(f"  {variant:9s} {ms:9.1f} ms {mem:9.0f} MiB")
+        del model, optimizer
+    lines.append(f"  patched / unpatched time: {times['patched'] / times['unpatched']:.2f}x")
     return lines
 
 
@@ -191,9 +271,12 @@ def main(argv=None) -> int:
     start = time.time()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"gpu_check: torch {torch.__version__} on {name}")
-    for case, backend in [("t5 4096 causal", "auto")]:
-        q = torch.randn(1, 8, 4096, 64, device=device)
-        print(f"  auto picks for {case}: {relbias.explain_backend(q, q, q, bias=relbias.T5Bias(8, bidirectional=False).to(device), is_causal=True)}")
+    q = torch.randn(1, 8, 4096, 64, device=device)
+    for grad in (False, True):
+        t5 = relbias.T5Bias(8, bidirectional=False).to(device)
+        with torch.set_grad_enabled(grad):
+            picked = relbias.explain_backend(q, q, q, bias=t5, is_causal=True)
+        print(f"  auto picks for t5 4096 causal ({'training' if grad else 'inference'}): {picked}")
     print("\nequivalence vs fp32 reference (fwd, fwd+bwd; fp32 and bf16):")
     failed = False
     for case, backend, verdict in equivalence(device, small):
@@ -202,10 +285,14 @@ def main(argv=None) -> int:
     print(f"  [{time.time() - start:.0f} s]")
     if not args.skip_perf:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        print(f"\ntime and peak memory vs bias-free SDPA ({str(dtype)[6:]}, B=1 H=8 D=64, T5 bias; ms median, MiB above inputs):")
-        print(f"{'N':>5} {'mask':>6} {'mode':>6} {'method':>10} {'ms':>9} {'x':>7} {'MiB':>9} {'x':>7}")
+        print(f"\ntime and peak memory vs bias-free SDPA ({str(dtype)[6:]}, B=1 H=8 D=64, T5 bias; ms median, "
+              f"MiB above inputs):")
+        print(f"{'N':>5} {'mask':>6} {'mode':>6} {'method':>13} {'ms':>9} {'x':>7} {'MiB':>9} {'x':>7}")
         for line in performance(device, small, dtype):
-            print(line)
+            print(line, flush=True)
+        print(f"\nt5-base-shaped fine-tuning step ({'batch 8 x 512 / 128 tokens, bfloat16' if not small else 'tiny'}):")
+        for line in finetune_step(device, small):
+            print(line, flush=True)
     print(f"\ngpu_check: {'FAILED' if failed else 'all equivalence checks passed'} in {time.time() - start:.0f} s")
     return 1 if failed else 0
 
