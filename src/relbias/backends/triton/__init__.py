@@ -44,6 +44,8 @@ BLOCK = 64
 #: Query and key rows per tile under the Triton interpreter (tokens): small calls still span several tiles.
 INTERPRETED_BLOCK = 16
 
+_CUDA_ONLY = "auto takes triton on CUDA only (on CPU it runs only under the Triton interpreter, for testing)"
+
 
 class TritonBackend(Backend):
     """Offset-only biases on CUDA: Triton FlashAttention-2 kernels reading the bias per offset."""
@@ -66,6 +68,9 @@ class TritonBackend(Backend):
         if torch.compiler.is_compiling():
             reasons.append("the Triton kernels are not traced by torch.compile (flex or blockwise run compiled calls)")
         reasons += empty_axis_reasons(call, "the Triton kernels")
+        largest = max(call.query.numel(), call.key.numel(), call.value.numel())
+        if largest >= 2**31:
+            reasons.append(f"a tensor of {largest} elements: the Triton kernels index with 32-bit offsets (below 2^31)")
         d, dv = call.query.shape[-1], call.value.shape[-1]
         why_not = device_reason(call.query.device, call.query.dtype, d, dv)
         if why_not:
@@ -80,8 +85,7 @@ class TritonBackend(Backend):
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:
         if call.query.device.type != "cuda":
-            return [f"auto takes triton on CUDA only (on {call.query.device.type} it runs only under the Triton "
-                    f"interpreter, for testing)"]
+            return [_CUDA_ONLY]
         return []
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,14 +121,13 @@ def make_plan(call: AttentionCall, block: int | None, *, cu_seqlens: torch.Tenso
         block = INTERPRETED_BLOCK if device.type == "cpu" else BLOCK
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
-    if dropout is not None and seeds is None:
-        seeds = [dropout.seed]
     return Plan(
         scale=float(call.scale), bias_scale=float(call.bias_scale), is_causal=call.is_causal,
         delta=0 if cu_seqlens is not None else int(call.delta),
         query_pos=0 if dropout is None else int(dropout.query_start),
         key_pos=0 if dropout is None else int(dropout.key_start),
         dropout_p=0.0 if dropout is None else dropout.p,
-        seeds=None if dropout is None else torch.tensor(seeds, dtype=torch.int32, device=device),
+        seeds=None if seeds is None else torch.tensor(seeds, dtype=torch.int32, device=device),
+        batch_seed=0 if dropout is None else int(dropout.seed),
         cu_seqlens=cu_seqlens, max_len=max_len, block=block,
     )

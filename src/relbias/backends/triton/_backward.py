@@ -68,11 +68,11 @@ def _dkdv_kernel(
     Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, DK, DV_OUT,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    batch_seed, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
-    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
     start_n = tl.program_id(0) * BLOCK
     if start_n < lk:
         offs_n = start_n + tl.arange(0, BLOCK)
@@ -107,11 +107,11 @@ def _dq_kernel(
     Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, DQ,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    batch_seed, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
-    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
     start_m = tl.program_id(0) * BLOCK
     if start_m < lq:
         offs_m = start_m + tl.arange(0, BLOCK)
@@ -141,19 +141,19 @@ def launch_args(query, key, value, grad_out, lse, w, padding, plan: Plan) -> tup
     (query's for dq, key's for dk, value's for dv; ``grad_out`` contiguous like ``query``), sizes, settings."""
     _, h, lq, d = query.shape
     lk, dv = key.shape[2], value.shape[-1]
-    seeds, threshold, keep_scale = plan.dropout_args(query.device)
+    threshold, keep_scale, batch_seed = plan.dropout_scalars()
     pad_strides = (padding.stride(0) if padding.shape[0] > 1 else 0, padding.stride(1) if padding.shape[1] > 1 else 0) \
         if padding is not None else (0, 0)
     args = [
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3], *lse.stride()[:2],
         w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
         lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
-        plan.key_pos, threshold, keep_scale,
+        plan.key_pos, threshold, keep_scale, batch_seed,
     ]
     meta = dict(IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
                 IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
                 PRECISION=precision(query.dtype))
-    return [plan.lengths_arg(query.device), seeds], args, meta
+    return list(plan.pointers(w)), args, meta
 
 
 def backward_dkdv(query, key, value, grad_out, lse, di, w, padding, plan: Plan):

@@ -30,7 +30,7 @@ def _band_kernel(
     Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, PARTIAL,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    S, KEY_TILES,
+    batch_seed, S, KEY_TILES,
     IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -41,7 +41,7 @@ def _band_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros((BLOCK, BLOCK), tl.float32)
     for s in range(0, S):
-        b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, s, Lq, Lk, IS_VARLEN)
+        b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN)
         first = tl.maximum(r, 0)
         last = tl.minimum((lq + BLOCK - 1) // BLOCK, (lk + BLOCK - 1) // BLOCK + r)
         if IS_CAUSAL:  # a band whose largest offset r * BLOCK + BLOCK - 1 is in the future everywhere: nothing to do

@@ -24,11 +24,11 @@ def _forward_kernel(
     Q, K, V, W, PAD, CU, SEEDS, OUT, LSE,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, slb, slh, swh, spb, sph,
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
+    batch_seed, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
     BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
-    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
     start_m = tl.program_id(0) * BLOCK
     if start_m < lq:
         offs_m = start_m + tl.arange(0, BLOCK)
@@ -85,17 +85,18 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
     lk, dv = key.shape[2], value.shape[-1]
     out = torch.empty(b, h, lq, dv, dtype=query.dtype, device=query.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
-    seeds, threshold, keep_scale = plan.dropout_args(query.device)
+    lengths, seeds = plan.pointers(w)
+    threshold, keep_scale, batch_seed = plan.dropout_scalars()
     pad = padding if padding is not None else w
     pad_strides = (padding.stride(0) if padding.shape[0] > 1 else 0, padding.stride(1) if padding.shape[1] > 1 else 0) \
         if padding is not None else (0, 0)
     grid = (plan.tiles(lq), h, plan.sequences(query))
     _forward_kernel[grid](
-        query, key, value, w, pad, plan.lengths_arg(query.device), seeds, out, lse,
+        query, key, value, w, pad, lengths, seeds, out, lse,
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
         w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
         lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
-        plan.key_pos, threshold, keep_scale,
+        plan.key_pos, threshold, keep_scale, batch_seed,
         IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
         IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
         PRECISION=precision(query.dtype),

@@ -19,8 +19,8 @@ class Plan:
         delta: ``query_start - key_start`` (tokens; 0 for packed sequences).
         query_pos, key_pos: absolute positions (tokens) of the first query and key, for the dropout mask.
         dropout_p: drop probability, 0 for none.
-        seeds: None, or int32 (S,) on the inputs' device: the dropout seed of each packed sequence, or (1,) for a
-            batch.
+        seeds: None, or int32 (N,) on the inputs' device: the dropout seed of each packed sequence.
+        batch_seed: the dropout seed of a batch call (31 bits; 0 without dropout).
         cu_seqlens: None, or int32 (N + 1,) on the device: the packed sequences' boundaries.
         max_len: the longest packed sequence (tokens); 0 for a batch.
         block: query and key rows per tile (tokens; a power of two, at least 16).
@@ -34,6 +34,7 @@ class Plan:
     key_pos: int
     dropout_p: float
     seeds: torch.Tensor | None
+    batch_seed: int
     cu_seqlens: torch.Tensor | None
     max_len: int
     block: int
@@ -54,15 +55,17 @@ class Plan:
         """Column of the per-offset values read by query 0 and key 0 (``values[h, i - j + value_offset]``)."""
         return (self.max_len if self.varlen else key_len) - 1
 
-    def dropout_args(self, device: torch.device) -> tuple[torch.Tensor, int, float]:
-        """(seeds, threshold ``p * 2**32``, keep scale ``1 / (1 - p)``), placeholders without dropout."""
-        if self.dropout_p == 0:
-            return torch.zeros(1, dtype=torch.int32, device=device), 0, 1.0
-        return self.seeds, int(self.dropout_p * 2**32), 1.0 / (1.0 - self.dropout_p)
+    def pointers(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(boundaries, per-sequence seeds): the tensors the kernels read for packed sequences, ``placeholder`` (any
+        tensor on the device, never read) where there are none: a batch call allocates and copies nothing."""
+        seeds = self.seeds if self.varlen and self.seeds is not None else placeholder
+        return (self.cu_seqlens if self.varlen else placeholder), seeds
 
-    def lengths_arg(self, device: torch.device) -> torch.Tensor:
-        """The boundaries the kernels read (a placeholder for a batch)."""
-        return self.cu_seqlens if self.varlen else torch.zeros(2, dtype=torch.int32, device=device)
+    def dropout_scalars(self) -> tuple[int, float, int]:
+        """(threshold ``p * 2**32``, keep scale ``1 / (1 - p)``, a batch's seed); zeros and 1 without dropout."""
+        if self.dropout_p == 0:
+            return 0, 1.0, 0
+        return int(self.dropout_p * 2**32), 1.0 / (1.0 - self.dropout_p), self.batch_seed
 
 
 def block_dim(n: int) -> int:
@@ -70,6 +73,7 @@ def block_dim(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def precision(dtype: torch.dtype) -> str:
-    """``tl.dot``'s input precision: float32 inputs are multiplied in full float32 ("ieee", not TF32)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def precision(dtype: torch.dtype) -> str | None:
+    """``tl.dot``'s input precision: float32 inputs are multiplied in full float32 ("ieee", not TF32); half types
+    take triton's default (None)."""
+    return "ieee" if dtype == torch.float32 else None

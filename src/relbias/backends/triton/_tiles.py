@@ -15,14 +15,15 @@ __all__ = ["keep_mask", "key_row", "sequence", "tile_scores"]
 
 
 @triton.jit
-def sequence(CU, SEEDS, s, Lq, Lk, IS_VARLEN: tl.constexpr):
-    """(batch entry, first query row, first key row, query_len, key_len, dropout seed) of sequence ``s``."""
+def sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN: tl.constexpr):
+    """(batch entry, first query row, first key row, query_len, key_len, dropout seed) of sequence ``s``: a packed
+    sequence's seed from ``SEEDS``, a batch's ``batch_seed``."""
     if IS_VARLEN:
         start = tl.load(CU + s)
         length = tl.load(CU + s + 1) - start
         return 0, start, start, length, length, tl.load(SEEDS + s)
     else:
-        return s, 0, 0, Lq, Lk, tl.load(SEEDS)
+        return s, 0, 0, Lq, Lk, batch_seed
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def _mix(x):
 def keep_mask(seed, batch, head, query_pos, key_pos, threshold):
     """(M, N) bool: the entries of queries ``query_pos`` (M,) and keys ``key_pos`` (N,) (absolute positions) that
     dropout keeps: the hash of (seed, batch, head, query, key) at least ``threshold`` (``p * 2**32``)."""
-    x = _mix(tl.full((), 0, tl.uint32) + seed.to(tl.uint32))
+    x = _mix((tl.zeros((), tl.int32) + seed).to(tl.uint32))  # seed: a loaded int32 or a scalar argument
     x = _mix(x ^ (tl.zeros((), tl.int32) + batch).to(tl.uint32))  # batch may be a plain int (a loop index)
     x = _mix(x ^ head.to(tl.uint32))
     rows = _mix(x ^ query_pos.to(tl.uint32))
