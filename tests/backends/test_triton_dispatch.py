@@ -55,3 +55,28 @@ def test_without_triton_the_reason_says_to_install_the_extra(monkeypatch):
             relbias.attention(q, q, q, bias=relbias.T5Bias(2), backend="triton")
     finally:
         _support.triton_missing_reason.cache_clear()
+
+
+def test_the_device_check_passes_working_kernels_and_refuses_wrong_or_failing_ones(monkeypatch):
+    """The one-time check auto runs before using the kernels on a CUDA device, here on the interpreted kernels: it
+    passes them, and turns kernels that return wrong values or raise into a refusal naming what went wrong."""
+    import relbias.backends.triton as package
+    from relbias.backends.triton import _support
+
+    monkeypatch.setattr(_support, "_CHECKED", {})
+    cpu = torch.device("cpu")
+    assert _support.kernel_check(cpu, torch.float32, 16, 8) is None
+    real = package.triton_attention
+
+    def off_by_a_little(call, **kwargs):
+        out, lse = real(call, **kwargs)
+        return out * 1.001, lse
+
+    monkeypatch.setattr(package, "triton_attention", off_by_a_little)
+    reason = _support.kernel_check(cpu, torch.float32, 16, 16)
+    assert reason.startswith("the Triton kernels disagree with the reference on cpu (torch.float32, head_dim 16, "
+                             "bidirectional): out error")
+    monkeypatch.setattr(package, "triton_attention", lambda call, **kwargs: 1 / 0)
+    assert "failed on cpu (torch.float32, head_dim 32): ZeroDivisionError" in _support.kernel_check(cpu, torch.float32,
+                                                                                                      32, 32)
+    assert _support.kernel_check(cpu, torch.float32, 16, 16) == reason  # once per (device, dtype, head dims)

@@ -62,20 +62,29 @@ def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_
     a T5 bias, causal and bidirectional with a key padding mask, at (2, 3, 80) (two tiles), output and every
     gradient (query, key, value, bias table). Tolerance: FlashAttention's rule, twice the error of the same
     computation in PyTorch in this dtype, plus 1e-5 of the reference's largest magnitude. None when they agree;
-    otherwise the reason (the error found, or the compiler's exception): a refusal, never a wrong result."""
+    otherwise the reason (the error found, or the compiler's exception), which makes the backend refuse its calls."""
+
     key = (device.index, dtype, head_dim, value_dim)
     if key not in _CHECKED:
         try:
             _CHECKED[key] = _compare(device, dtype, head_dim, value_dim)
         except Exception as error:  # the kernels do not compile or launch here
-            _CHECKED[key] = (f"the Triton kernels failed on {torch.cuda.get_device_name(device)} ({dtype}, head_dim "
-                             f"{head_dim}): {type(error).__name__}: {str(error).strip()[:300]}")
+            _CHECKED[key] = (f"the Triton kernels failed on {_device_name(device)} ({dtype}, head_dim {head_dim}): "
+                             f"{type(error).__name__}: {str(error).strip()[:300]}")
     return _CHECKED[key]
 
 
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
 def _compare(device: torch.device, dtype: torch.dtype, head_dim: int, value_dim: int) -> str | None:
-    from ... import attention
+    """The comparison of :func:`kernel_check` (the kernels run directly, not through the dispatcher that asks for
+    this check); None when they agree, else what disagrees."""
+    from ...backends.reference import reference_attention
     from ...biases.t5 import T5Bias
+    from ...call import make_call
+    from . import triton_attention
 
     generator = torch.Generator().manual_seed(0)
     for is_causal in (False, True):
@@ -89,15 +98,15 @@ def _compare(device: torch.device, dtype: torch.dtype, head_dim: int, value_dim:
         for name, where, kind in (("exact", "cpu", torch.float64), ("torch", device, dtype), ("triton", device, dtype)):
             inputs = [t.to(where, kind).requires_grad_() for t in tensors]
             table = copy.deepcopy(bias).to(where, kind)
-            out = attention(*inputs, bias=table, mask=padding.to(where), is_causal=is_causal,
-                            backend="triton" if name == "triton" else "reference")
+            call = make_call(*inputs, bias=table, mask=padding.to(where), is_causal=is_causal)
+            out = (triton_attention if name == "triton" else reference_attention)(call)[0]
             grads = torch.autograd.grad(out, [*inputs, table.weight], grad.to(where, kind))
             results[name] = [t.double().cpu() for t in (out, *grads)]
         for what, want, base, got in zip(("out", "dq", "dk", "dv", "dbias"), *results.values()):
             allowed = 2 * (base - want).abs().max().item() + 1e-5 * want.abs().max().item()
             error = (got - want).abs().max().item()
             if not math.isfinite(error) or error > allowed:
-                return (f"the Triton kernels disagree with the reference on {torch.cuda.get_device_name(device)} "
+                return (f"the Triton kernels disagree with the reference on {_device_name(device)} "
                         f"({dtype}, head_dim {head_dim}, {'causal' if is_causal else 'bidirectional'}): {what} error "
                         f"{error:.3g}, allowed {allowed:.3g}")
     return None
