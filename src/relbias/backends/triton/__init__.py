@@ -59,7 +59,7 @@ class TritonBackend(Backend):
 
     def explain(self, call: AttentionCall) -> str:
         if call.query.device.type == "cpu":
-            return self.summary + "; here it runs under the Triton interpreter (TRITON_INTERPRET=1): slowly, for testing"
+            return f"{self.summary}; here it runs under the Triton interpreter (TRITON_INTERPRET=1), slowly, to test"
         return self.summary
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
