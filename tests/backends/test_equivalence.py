@@ -122,8 +122,8 @@ def test_fp32_output_and_gradients_match_reference(backend, family, config, smal
     if why is not None:
         if backend == "structured":
             assert mask is not None or family not in ("t5", "t5_small", "offset_clip")
-        else:  # toeplitz runs every offset-only family without a mask
-            assert backend == "toeplitz" and (mask is not None or bias is None or not bias.offset_only), why
+        else:  # toeplitz and triton run every offset-only family without a mask
+            assert backend in ("toeplitz", "triton") and (mask is not None or bias is None or not bias.offset_only), why
         pytest.skip(why)
     grad_out = torch.randn(B, H, lq, D)
     got = run(backend, q, k, v, bias, grad_out=grad_out, mask=mask, **kwargs)

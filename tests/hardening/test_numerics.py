@@ -56,8 +56,8 @@ def test_t5_scores_beyond_fp16_range_stay_finite_and_within_twice_the_reference_
         got = call_or_refusal(backend, q, k, v, bias=bias, is_causal=is_causal)
         exact = relbias.attention(q.float(), k.float(), v.float(), bias=bias, is_causal=is_causal, backend="reference")
         plain = relbias.attention(q, k, v, bias=bias, is_causal=is_causal, backend="reference")
-    if isinstance(got, str):  # the decode backend keeps its additive bias mask in float32/float64 only
-        assert backend == "decode" and "round the bias" in got, got
+    if isinstance(got, str):  # decode keeps its bias mask in float32/float64; the Triton interpreter has no bfloat16
+        assert (backend == "decode" and "round the bias" in got) or (backend == "triton" and "no bfloat16" in got), got
         pytest.skip(got)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert _err(got, exact) <= 2 * _err(plain, exact) + 1e-4, (_err(got, exact), _err(plain, exact))
@@ -90,7 +90,8 @@ def test_gradients_are_finite_and_zero_on_fully_masked_rows(backend, family, dty
             grads = [q.grad, k.grad, v.grad] + [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             results[name] = [out.detach(), *grads]
         if backend not in results:
-            assert backend in ("structured", "flex", "decode", "toeplitz", "triton"), out  # blockwise and the reference run every case
+            # blockwise and the reference run every case
+            assert backend in ("structured", "flex", "decode", "toeplitz", "triton"), out
             if backend == "flex" and (bias is None or bias.offset_only):
                 assert "FlexAttention has no backward on CPU" in out
             continue
