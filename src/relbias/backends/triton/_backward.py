@@ -13,10 +13,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._plan import Plan, block_dim, precision
+from ._plan import Plan, launch_args
 from ._tiles import keep_mask, key_row, sequence, tile_scores
 
-__all__ = ["backward_dkdv", "backward_dq", "score_grad_tile"]
+__all__ = ["backward_dkdv", "backward_dq", "load_keys", "load_rows", "score_grad_tile"]
 
 
 @triton.jit
@@ -136,34 +136,13 @@ def _dq_kernel(
                  (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_d[None, :] < D))
 
 
-def launch_args(query, key, value, grad_out, lse, w, padding, plan: Plan) -> tuple[list, dict]:
-    """The positional and keyword arguments shared by the backward kernels after their tensor arguments: strides
-    (query's for dq, key's for dk, value's for dv; ``grad_out`` contiguous like ``query``), sizes, settings."""
-    _, h, lq, d = query.shape
-    lk, dv = key.shape[2], value.shape[-1]
-    threshold, keep_scale, batch_seed = plan.dropout_scalars()
-    pad_strides = (padding.stride(0) if padding.shape[0] > 1 else 0, padding.stride(1) if padding.shape[1] > 1 else 0) \
-        if padding is not None else (0, 0)
-    args = [
-        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *grad_out.stride()[:3], *lse.stride()[:2],
-        w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
-        lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
-        plan.key_pos, threshold, keep_scale, batch_seed,
-    ]
-    meta = dict(IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
-                IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
-                PRECISION=precision(query.dtype))
-    return list(plan.pointers(w)), args, meta
-
-
 def backward_dkdv(query, key, value, grad_out, lse, di, w, padding, plan: Plan):
     """(dk, dv), contiguous, in the dtypes of ``key`` and ``value``; arguments as :func:`backward_dq`."""
-    lengths, args, meta = launch_args(query, key, value, grad_out, lse, w, padding, plan)
+    pointers, args, meta = launch_args(plan, query, key, value, grad_out, lse, w, padding)
     dk, dv = torch.empty_like(key), torch.empty_like(value)
     assert dk.stride() == key.stride() and dv.stride() == value.stride(), "key and value must be contiguous"
     grid = (plan.tiles(key.shape[2]), query.shape[1], plan.sequences(query))
-    _dkdv_kernel[grid](query, key, value, grad_out, lse, di, w, padding if padding is not None else w, *lengths,
-                       dk, dv, *args, **meta)
+    _dkdv_kernel[grid](query, key, value, grad_out, lse, di, *pointers, dk, dv, *args, **meta)
     return dk, dv
 
 
@@ -171,10 +150,9 @@ def backward_dq(query, key, value, grad_out, lse, di, w, padding, plan: Plan):
     """dq, contiguous, in the dtype of ``query``. ``grad_out`` (B, H, Lq, Dv) contiguous; ``lse`` (B, H, Lq)
     float32 with +inf for queries that saw no key; ``di`` like ``lse``: ``dO . out - grad_lse``; the rest as
     :func:`relbias.backends.triton._forward.forward`'s (query, key and value contiguous)."""
-    lengths, args, meta = launch_args(query, key, value, grad_out, lse, w, padding, plan)
+    pointers, args, meta = launch_args(plan, query, key, value, grad_out, lse, w, padding)
     dq = torch.empty_like(query)
     assert dq.stride() == query.stride(), "query must be contiguous"
     grid = (plan.tiles(query.shape[2]), query.shape[1], plan.sequences(query))
-    _dq_kernel[grid](query, key, value, grad_out, lse, di, w, padding if padding is not None else w, *lengths,
-                     dq, *args, **meta)
+    _dq_kernel[grid](query, key, value, grad_out, lse, di, *pointers, dq, *args, **meta)
     return dq

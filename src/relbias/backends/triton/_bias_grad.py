@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backward import launch_args, load_keys, load_rows, score_grad_tile
-from ._plan import Plan
+from ._backward import load_keys, load_rows, score_grad_tile
+from ._plan import Plan, launch_args
 from ._tiles import key_row, sequence
 
 __all__ = ["bias_grad"]
@@ -66,13 +66,13 @@ def _band_kernel(
 def bias_grad(query, key, value, grad_out, lse, di, w, padding, plan: Plan) -> torch.Tensor:
     """The gradient (Hb, M) float32 of the per-offset values ``w`` (Hb, M), ``bias_scale`` applied; arguments as
     :func:`relbias.backends.triton._backward.backward_dq`."""
-    lengths, args, meta = launch_args(query, key, value, grad_out, lse, w, padding, plan)
+    pointers, args, meta = launch_args(plan, query, key, value, grad_out, lse, w, padding)
     heads, block = query.shape[1], plan.block
     query_tiles, key_tiles = plan.tiles(query.shape[2]), plan.tiles(key.shape[2])
     bands = query_tiles + key_tiles - 1
     partial = torch.empty(heads, bands, block, block, dtype=torch.float32, device=query.device)
-    _band_kernel[(bands, heads)](query, key, value, grad_out, lse, di, w, padding if padding is not None else w,
-                                 *lengths, partial, *args, plan.sequences(query), key_tiles, **meta)
+    _band_kernel[(bands, heads)](query, key, value, grad_out, lse, di, *pointers, partial, *args,
+                                 plan.sequences(query), key_tiles, **meta)
     grad = fold_bands(partial, w.shape[1], plan.value_offset(key.shape[2]) - key_tiles * block + 1)
     if w.shape[0] == 1:  # one bias for every head
         grad = grad.sum(0, keepdim=True)

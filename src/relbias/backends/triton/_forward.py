@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._plan import Plan, block_dim, precision
+from ._plan import Plan, launch_args
 from ._tiles import keep_mask, key_row, sequence, tile_scores
 
 __all__ = ["forward"]
@@ -81,24 +81,10 @@ def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torc
     ``query`` (B, H, Lq, D), ``key`` (B, H, Lk, D), ``value`` (B, H, Lk, Dv), each with unit stride along its
     last dimension (B = 1 and Lq = Lk = T when packed); ``w`` (Hb, M) float32 contiguous: the per-offset bias
     (Hb 1 or H); ``padding``: None or uint8 (Bm, Hm, Lk) with unit last stride, nonzero where a key is kept."""
-    b, h, lq, d = query.shape
-    lk, dv = key.shape[2], value.shape[-1]
+    b, h, lq, _ = query.shape
+    dv = value.shape[-1]
     out = torch.empty(b, h, lq, dv, dtype=query.dtype, device=query.device)
     lse = torch.empty(b, h, lq, dtype=torch.float32, device=query.device)
-    lengths, seeds = plan.pointers(w)
-    threshold, keep_scale, batch_seed = plan.dropout_scalars()
-    pad = padding if padding is not None else w
-    pad_strides = (padding.stride(0) if padding.shape[0] > 1 else 0, padding.stride(1) if padding.shape[1] > 1 else 0) \
-        if padding is not None else (0, 0)
-    grid = (plan.tiles(lq), h, plan.sequences(query))
-    _forward_kernel[grid](
-        query, key, value, w, pad, lengths, seeds, out, lse,
-        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *out.stride()[:3], *lse.stride()[:2],
-        w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
-        lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
-        plan.key_pos, threshold, keep_scale, batch_seed,
-        IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
-        IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
-        PRECISION=precision(query.dtype),
-    )
+    pointers, args, meta = launch_args(plan, query, key, value, out, lse, w, padding)
+    _forward_kernel[(plan.tiles(lq), h, plan.sequences(query))](query, key, value, *pointers, out, lse, *args, **meta)
     return out, lse

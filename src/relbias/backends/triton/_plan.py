@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Plan", "block_dim", "precision"]
+__all__ = ["Plan", "block_dim", "launch_args", "precision"]
 
 
 @dataclass(frozen=True)
@@ -77,3 +77,28 @@ def precision(dtype: torch.dtype) -> str | None:
     """``tl.dot``'s input precision: float32 inputs are multiplied in full float32 ("ieee", not TF32); half types
     take triton's default (None)."""
     return "ieee" if dtype == torch.float32 else None
+
+
+def launch_args(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+                lse: torch.Tensor, w: torch.Tensor, padding: torch.Tensor | None) -> tuple[list, list, dict]:
+    """What every kernel takes besides its own tensors, in the kernels' order: the pointers (``w``, the padding
+    rows, the packed boundaries, the packed seeds; ``w`` stands in for those a call has not), the scalars (strides of
+    query, key, value, ``rows`` (the output in the forward, its gradient in the backward) and ``lse``, of ``w`` and
+    the padding across heads and batch (0 where shared), sizes, settings) and the compile-time constants."""
+    _, _, lq, d = query.shape
+    lk, dv = key.shape[2], value.shape[-1]
+    threshold, keep_scale, batch_seed = plan.dropout_scalars()
+    pad_strides = (0, 0)
+    if padding is not None:  # 0 across a dimension of size 1: the same row for every batch entry or head
+        pad_strides = tuple(padding.stride(i) if padding.shape[i] > 1 else 0 for i in (0, 1))
+    pointers = [w, w if padding is None else padding, *plan.pointers(w)]
+    args = [
+        *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *rows.stride()[:3], *lse.stride()[:2],
+        w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
+        lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
+        plan.key_pos, threshold, keep_scale, batch_seed,
+    ]
+    meta = dict(IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
+                IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
+                PRECISION=precision(query.dtype))
+    return pointers, args, meta
