@@ -83,6 +83,22 @@ def test_matches_sdpa_with_the_bias_as_attn_mask(convention, is_causal):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_a_tensor_bias_means_what_sdpa_attn_mask_means(is_causal):
+    # no convention given: a tensor bias is added after scaling, as SDPA adds its float attn_mask (the seed
+    # convention, which scales the bias too, differs by O(1) here: head_dim 4, scale 1/2, a unit-variance bias)
+    q, k, v = qkv(lq=6, lk=6)
+    table = torch.randn(3, 6, 6, generator=torch.Generator().manual_seed(0))
+    got = relbias.attention(q, k, v, bias=table, is_causal=is_causal)
+    attn_mask = table.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf")) if is_causal else table
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    as_mask = relbias.attention(q, k, v, mask=table, is_causal=is_causal)
+    assert_rounding_close(got, as_mask, n=6)
+    seed = relbias.attention(q, k, v, bias=table, is_causal=is_causal, convention="seed")
+    assert (seed - got).abs().max() > 0.05
+
+
 # --- masks ------------------------------------------------------------------------------------
 
 

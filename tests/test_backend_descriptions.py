@@ -40,3 +40,18 @@ def test_dropout_refusals_name_the_backends_that_apply_it_and_they_do():
     applying = ["reference", "blockwise"] + (["toeplitz"] if _native.load_native() is not None else [])
     for name in applying:
         relbias.explain_backend(q, q, q, bias=bias, is_causal=True, dropout_p=0.1, backend=name)  # runs: no error
+
+
+def test_explain_describes_an_inference_call_as_it_is():
+    # a plain T5 call: grad mode on, only the bias table requires grad; under no_grad no gradient is mentioned
+    q = torch.randn(1, 8, 128, 64)
+    bias = relbias.T5Bias(8)
+    name, reason = relbias.explain_backend(q, q, q, bias=bias)
+    assert "requires_grad is set on: T5Bias's parameters" in reason and "torch.no_grad()" in reason
+    with torch.no_grad():
+        name_no_grad, reason_no_grad = relbias.explain_backend(q, q, q, bias=bias)
+    assert "gradient" not in reason_no_grad
+    # the small-block reason by which auto passes over a tiled backend does not say materialising is the choice
+    for chosen, why in ((name, reason), (name_no_grad, reason_no_grad)):
+        if chosen != "reference":
+            assert "small block" not in why or "single fused kernel call or materialising" in why

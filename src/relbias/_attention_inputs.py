@@ -67,9 +67,15 @@ def check_scale(scale: float | None) -> None:
 
 
 def resolve_convention(convention: str | None, bias: object, scale: float | None, head_dim: int) -> tuple[str, float]:
-    """Pick the score convention and the scale; see docs/conventions.md."""
+    """Pick the score convention and the scale; see docs/conventions.md.
+
+    Without ``convention``: a bias module's own (``default_convention``); "additive" for a tensor bias, so that it
+    means what SDPA's ``attn_mask`` means (logits added after scaling); "seed" otherwise (no bias: the two agree)."""
     if convention is None:
-        convention = bias.default_convention if isinstance(bias, RelativeBias) else "seed"
+        if isinstance(bias, RelativeBias):
+            convention = bias.default_convention
+        else:
+            convention = "additive" if isinstance(bias, torch.Tensor) else "seed"
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
     check_scale(scale)

@@ -115,6 +115,18 @@ class AttentionCall:
         return any(t.requires_grad for t in tensors)
 
     @property
+    def grad_source(self) -> str:
+        """Why autograd will ask for a gradient, as a phrase for backend reasons: which inputs require grad, and
+        that grad mode is on (``needs_grad`` must be True)."""
+        which = [name for name, t in (("query", self.query), ("key", self.key), ("value", self.value)) if t.requires_grad]
+        if isinstance(self.bias, RelativeBias) and any(p.requires_grad for p in self.bias.parameters()):
+            which.append(f"{type(self.bias).__name__}'s parameters")
+        elif isinstance(self.bias, torch.Tensor) and self.bias.requires_grad:
+            which.append("the bias tensor")
+        return (f"gradients are needed (grad mode is on and requires_grad is set on: {', '.join(which)}; an inference "
+                f"call runs under torch.no_grad())")
+
+    @property
     def hidden_keys_finite(self) -> bool:
         """True when no key or value that some query cannot see holds NaN/inf (see ``_hidden_keys_finite``);
         computed once per call, True without reading values under torch.compile or on the meta device."""

@@ -61,7 +61,8 @@ def attention(
         scale: multiplier of the scores; default ``1 / sqrt(D)`` for "seed" and "additive"; an explicit
             value (e.g. 1.0) is honoured. Must be 1 or None for "t5".
         convention: "seed", "additive" or "t5"; default the bias module's own (T5Bias: "t5",
-            PerOffsetBias / FunctionBias: "seed"), and "seed" for a tensor bias or no bias.
+            PerOffsetBias / FunctionBias: "seed"); "additive" for a tensor bias, so that ``bias=T`` means what
+            SDPA's ``attn_mask=T`` means; "seed" for no bias (the conventions then agree).
         query_start: absolute position (tokens) of the first query: an int, or a 0-dim integer tensor (a static KV
             cache's token count). Eager calls read a tensor once (``int``); under ``torch.compile`` it stays a
             tensor, so one graph serves every position: then the int64 range check of positions is skipped,

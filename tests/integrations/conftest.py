@@ -65,9 +65,17 @@ def batch(batch_size: int = 2, length: int = 40, pad_last: int = 0, seed: int = 
     return input_ids, attention_mask
 
 
+def enable_checkpointing(model) -> None:
+    """Activation checkpointing on ``model``: transformers' ``activation_checkpointing_enable`` where it exists
+    (its ``gradient_checkpointing_enable`` is deprecated there), the older name on transformers that lack it."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 @pytest.fixture
 def hf():
     """The helpers above, for test modules (importlib import mode cannot import conftest)."""
     if transformers is None:
         pytest.skip(MISSING)
-    return types.SimpleNamespace(transformers=transformers, tiny_config=tiny_config, tiny_model=tiny_model, batch=batch)
+    return types.SimpleNamespace(transformers=transformers, tiny_config=tiny_config, tiny_model=tiny_model, batch=batch,
+                                 enable_checkpointing=enable_checkpointing)

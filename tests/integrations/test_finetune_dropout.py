@@ -38,8 +38,7 @@ def test_patched_fine_tuning_with_dropout(hf, checkpointing):
     for backend in ("reference", "blockwise"):
         model = patch_t5(copy.deepcopy(base), backend=backend).train()
         if checkpointing:
-            enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-            enable()
+            hf.enable_checkpointing(model)
         runs[backend] = _train_steps(model, input_ids, attention_mask, labels, steps=4, seed=11)
     (losses, grads), (other_losses, other_grads) = runs["reference"], runs["blockwise"]
     assert all(torch.isfinite(torch.tensor(losses)))

@@ -180,7 +180,7 @@ def test_gradients_match(hf, checkpointing):
     for model in (patched, plain):
         model.train()  # dropout_rate is 0
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            hf.enable_checkpointing(model)
         model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
     for (name, got), (_, want) in zip(patched.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -154,7 +154,7 @@ class DecodeBackend(Backend):
         if lq > MAX_QUERIES:
             reasons.append(f"{lq} queries; the decode backend takes at most {MAX_QUERIES} (a decoding step or chunk)")
         if call.needs_grad:
-            reasons.append("gradients are needed; the decode backend is inference only (no gradient for its bias mask)")
+            reasons.append(f"{call.grad_source}; the decode backend is inference only (no gradient for its bias mask)")
         if call.query.dtype not in (torch.float32, torch.float64):
             reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias")
         reasons += cpu_flash_reasons(call)

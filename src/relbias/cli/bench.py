@@ -69,7 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["both", "fwd", "fwdbwd"], default="both", help="forward, forward+backward")
     p.add_argument("--methods", nargs="+", choices=benchmark.method_names(), default=benchmark.default_methods(),
                    help="baselines and registered backends (flex compiles per shape: forward only on CPU)")
-    p.add_argument("--family", default="t5", help="bias family (relbias.biases.FAMILIES)")
+    from ..biases import FAMILIES
+
+    p.add_argument("--family", choices=list(FAMILIES), default="t5", metavar="FAMILY",
+                   help=f"bias family: {', '.join(FAMILIES)} ('none' = NoPE, no bias)")
     p.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
     p.add_argument("--heads", type=_positive_int, default=8, help="num_heads H")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="head_dim D")

@@ -70,7 +70,8 @@ def small_block_reasons(call: AttentionCall) -> list[str]:
     if call.num_scores > limit:
         return []
     what = "with gradients" if call.needs_grad else "for inference"
-    return [f"small block: {call.num_scores} scores (<= {limit} {what}) are cheaper to materialise"]
+    return [f"small block: {call.num_scores} scores (<= {limit} {what}), too few to repay tiling (a single fused "
+            f"kernel call or materialising them costs less)"]
 
 
 def tensor_position_reasons(call: AttentionCall, backend: str) -> list[str]:

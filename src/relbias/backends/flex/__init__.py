@@ -303,7 +303,7 @@ class FlexBackend(Backend):
             return [f"auto takes flex on CUDA only (on {call.query.device.type}, structured or blockwise run without compiling)"]
         if call.needs_grad:
             return [
-                "gradients are needed and flex's CUDA backward is not yet verified against the reference "
+                f"{call.grad_source} and flex's CUDA backward is not yet verified against the reference "
                 "(benchmarks/gpu_check.py); pass backend='flex' to use it anyway"
             ]
         return []
