@@ -17,7 +17,13 @@ import torch
 
 from ..positions import resolve_alignment
 
-__all__ = ["relbias_mask_from_hf"]
+__all__ = ["hf_visible", "relbias_mask_from_hf"]
+
+
+def hf_visible(mask: torch.Tensor) -> torch.Tensor:
+    """Which keys a transformers 4-D mask lets each query see: bool, same shape (True = may attend). A float mask
+    hides a key with a value ``<= finfo(dtype).min / 2`` (transformers writes ``finfo(dtype).min``) or -inf."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def relbias_mask_from_hf(
@@ -47,7 +53,8 @@ def relbias_mask_from_hf(
         bool mask as it is, or the float mask with hidden entries (``<= finfo.min / 2``) set to -inf.
 
         A hidden key gets exactly zero weight either way. A query row with no visible key returns zeros in relbias,
-        where transformers' finite fill returns the mean of the values (such rows are padding).
+        where transformers' finite fill returns the mean of the values (such rows are padding): the patches find
+        those rows with :func:`relbias.integrations.hidden_rows.hidden_rows` and give them transformers' result.
 
     Raises:
         TypeError: a mask that is not a tensor (e.g. a flex-attention ``BlockMask``) or of an integer dtype.
@@ -65,13 +72,11 @@ def relbias_mask_from_hf(
     if not mask.is_floating_point() and mask.dtype != torch.bool:
         raise TypeError(f"an attention mask must be bool or float, got {mask.dtype}")
     compiling = torch.compiler.is_compiling()  # no value-dependent simplification: the exact mask, whole
+    visible = hf_visible(mask)
     if mask.is_floating_point():
-        hidden = mask <= torch.finfo(mask.dtype).min / 2  # also true for -inf
+        hidden = ~visible  # also true for -inf
         if compiling or bool(mask.masked_fill(hidden, 0.0).any()):  # finite values other than 0: a real additive mask
             return mask.masked_fill(hidden, float("-inf")), False
-        visible = ~hidden
-    else:
-        visible = mask
     if compiling:
         return visible, False
     if visible.shape[1] != 1:
