@@ -46,7 +46,8 @@ from torch import nn
 from .._gqa import expand_kv_heads
 from ..biases.alibi import ALiBiBias
 from ..functional import attention, attention_with_weights
-from .masks import relbias_mask_from_hf
+from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
+from .masks import hf_visible, relbias_mask_from_hf
 
 __all__ = [
     "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "dropout_probability", "is_alibi_patched",
@@ -70,24 +71,25 @@ class ALiBiPatch:
     layers: list
     restore: dict = field(default_factory=dict)
     output_attentions: bool = False  # MPT: set per forward by a pre-hook (its attention is not told)
-    _mask_cache: tuple | None = field(default=None, repr=False)  # (weakref to the HF mask, query_start, converted)
+    _mask_cache: tuple | None = field(default=None, repr=False)  # (weakref to the HF mask, query_start, end, converted)
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the per-forward mask conversion behind (it holds a weak reference)."""
         return {**self.__dict__, "_mask_cache": None}
 
     def relbias_mask(self, hf_mask: torch.Tensor | None, query_start: int, end: int,
-                     counted_positions: bool) -> tuple[torch.Tensor | None, bool, bool]:
-        """``(mask, is_causal, per_offset)``: transformers' mask converted (``relbias_mask_from_hf``) and whether
-        the bias may be read per offset; computed once per forward (the mask object every layer is handed) and
-        reused by the other layers."""
+                     counted_positions: bool) -> tuple[torch.Tensor | None, bool, bool, torch.Tensor | None]:
+        """``(mask, is_causal, per_offset, hidden)``: transformers' mask converted (``relbias_mask_from_hf``),
+        whether the bias may be read per offset, and its rows with no visible key
+        (:func:`~relbias.integrations.hidden_rows.hidden_rows`); computed once per forward (the mask object every
+        layer is handed) and reused by the other layers."""
         cached = self._mask_cache
         hit = cached is not None and hf_mask is not None and cached[0]() is hf_mask
         if hit and cached[1:3] == (query_start, end):
             return cached[3]
         mask, is_causal = relbias_mask_from_hf(hf_mask, is_causal=True, query_start=query_start)
         per_offset = not counted_positions or (is_causal and (mask is None or _contiguous(mask, end)))
-        converted = (mask, is_causal, per_offset)
+        converted = (mask, is_causal, per_offset, hidden_rows(hf_mask))
         self._mask_cache = None if hf_mask is None else (weakref.ref(hf_mask), query_start, end, converted)
         return converted
 
@@ -145,6 +147,7 @@ def alibi_attention(
     output_attentions: bool,
     counted_positions: bool,
     key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    additive_fill: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal ALiBi attention of one patched layer: ``(out (B, H, Lq, D), probabilities (B, H, Lq, Lk) or None)``.
 
@@ -160,25 +163,31 @@ def alibi_attention(
             for contiguous visible keys.
         key_bias: for counted positions, ``visible (B, Lk) -> (B, H, 1, Lk)``, the model's own per-key bias in
             logits after scaling, for the exact path.
+        additive_fill: whether transformers adds its mask to the scores (BLOOM, Falcon) rather than writing it over
+            them (MPT's ``masked_fill``): what a query row with no visible key passes back to the query and keys
+            (:func:`~relbias.integrations.hidden_rows.fill_hidden_rows`, which gives those rows transformers'
+            result).
     """
     if patch.bias.slopes.device != query.device:
         patch.bias.to(query.device)
-    mask, is_causal, per_offset = patch.relbias_mask(hf_mask, query_start, query_start + query.shape[2],
-                                                     counted_positions)
+    mask, is_causal, per_offset, hidden = patch.relbias_mask(hf_mask, query_start, query_start + query.shape[2],
+                                                             counted_positions)
     call = dict(scale=scale, query_start=query_start, key_start=0, dropout_p=dropout_p,
                 enable_gqa=key.shape[1] != query.shape[1])
     if per_offset:
         call.update(bias=patch.bias, mask=mask, is_causal=is_causal, convention=convention)
     else:  # the model's own per-key bias, dense, with the mask as it is
-        visible = hf_mask if hf_mask.dtype == torch.bool else hf_mask > torch.finfo(hf_mask.dtype).min / 2
+        visible = hf_visible(hf_mask)
         bias = key_bias(visible[:, 0, -1, :])  # the last query sees every visible key up to it
         call.update(mask=bias.masked_fill(~visible, float("-inf")), is_causal=False)
+    fill = dict(scale=scale, additive_fill=additive_fill)
     if output_attentions:
-        key, value = expand_kv_heads(query, key, value, call.pop("enable_gqa"))
-        _, probs = attention_with_weights(query, key, value, **call)
-        return probs @ value, probs
+        expanded_key, expanded_value = expand_kv_heads(query, key, value, call.pop("enable_gqa"))
+        _, probs = attention_with_weights(query, expanded_key, expanded_value, **call)
+        probs = fill_hidden_weights(probs, hidden)
+        return fill_hidden_rows(probs @ expanded_value, query, key, value, hidden, **fill), probs
     backend = {} if patch.backend is None else {"backend": patch.backend}
-    return attention(query, key, value, **call, **backend), None
+    return fill_hidden_rows(attention(query, key, value, **call, **backend), query, key, value, hidden, **fill), None
 
 
 def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
@@ -188,11 +197,11 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     tokens identical), with left or right padding, a ``DynamicCache`` or ``StaticCache``; see the module docstring
     for how each model's bias is read and where Falcon's bfloat16 rounding makes transformers' bias differ from
     ALiBi's. MPT takes the slopes transformers' MPT uses (``alibi_bias_max`` 8; a config with another value gets a
-    warning). Differences: a query with no visible key (a left pad) returns zeros where transformers returns the
-    mean of the values; attention dropout in training runs on relbias' counter-based mask (the same distribution,
-    another mask); ``output_attentions`` returns the probabilities, materialised (O(B·H·Lq·Lk)). A patched MPT runs
-    past ``config.max_seq_len`` (ALiBi needs no table; transformers' MPT fails there to broadcast its bias): how
-    well a model does there is the model's matter.
+    warning). A query with no visible key (a left pad) gets transformers' result, the mean of the values, and its
+    gradients (:mod:`relbias.integrations.hidden_rows`). Differences: attention dropout in training runs on relbias'
+    counter-based mask (the same distribution, another mask; none on those rows); ``output_attentions`` returns the
+    probabilities, materialised (O(B·H·Lq·Lk)). A patched MPT runs past ``config.max_seq_len`` (ALiBi needs no
+    table; transformers' MPT fails there to broadcast its bias): how well a model does there is the model's matter.
 
     Args:
         model: a ``BloomModel``/``MptModel``/``FalconModel``, a ``...ForCausalLM`` or other head, or any module

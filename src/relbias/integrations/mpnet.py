@@ -29,6 +29,7 @@ from torch import nn
 
 from ..biases.t5 import T5Bias
 from ..functional import attention, attention_with_weights
+from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import relbias_mask_from_hf
 from .transformers import _check_backend, _first_instance
 
@@ -76,11 +77,14 @@ def _self_attention(layer: nn.Module, backend: str | None, hidden_states, attent
     mask, _ = relbias_mask_from_hf(attention_mask, is_causal=False)
     call = dict(bias=position_bias, mask=mask, convention="additive",
                 dropout_p=layer.dropout.p if layer.training else 0.0)
+    hidden = hidden_rows(attention_mask)  # rows of a sequence that is all padding: transformers' mean of the values
     if output_attentions:
         _, probs = attention_with_weights(q, k, v, **call)  # (B, H, L, L), dropout applied
+        probs = fill_hidden_weights(probs, hidden)
         c = probs @ v
     else:
         c, probs = attention(q, k, v, **call, **({} if backend is None else {"backend": backend})), None
+    c = fill_hidden_rows(c, q, k, v, hidden, scale=layer.attention_head_size ** -0.5, bias=position_bias)
     o = layer.o(c.transpose(1, 2).reshape(*hidden_states.shape[:-1], layer.all_head_size))
     return (o, probs) if output_attentions else (o,)
 
@@ -91,9 +95,10 @@ def patch_mpnet(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     Outputs equal the unpatched model's up to float rounding (float32: within 1e-5 in the tests) for every MPNet
     head, with padding; scores ``(q . k) / sqrt(d) + u_{b(i-j)} + Mask`` ("additive"), ``u`` the model's
     ``relative_attention_bias`` table read as a bidirectional :class:`relbias.T5Bias` (32 buckets, max distance
-    128). Differences: a query with no visible key returns zeros where transformers returns the mean of the values;
-    attention dropout in training runs on relbias' counter-based mask (the same distribution, another mask);
-    ``output_attentions`` returns the probabilities, materialised (O(B·H·L²)).
+    128). A query with no visible key (every query of a sequence that is all padding) gets transformers' result, the
+    mean of the values, and its gradients, the bias table's included (:mod:`relbias.integrations.hidden_rows`).
+    Differences: attention dropout in training runs on relbias' counter-based mask (the same distribution, another
+    mask; none on those rows); ``output_attentions`` returns the probabilities, materialised (O(B·H·L²)).
 
     Args:
         model: an ``MPNetModel``, ``MPNetForMaskedLM``, ``MPNetFor...`` head, or any module holding one (a

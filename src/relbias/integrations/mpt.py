@@ -74,7 +74,7 @@ def _attention(layer, patch: ALiBiPatch, hidden_states, position_bias=None, cach
         patch, query, key, value, None if attention_mask is None else ~attention_mask, query_start=past,
         scale=layer.softmax_scale, convention="additive",
         dropout_p=dropout_probability(layer.attn_dropout_p, layer.training),
-        output_attentions=patch.output_attentions, counted_positions=False,
+        output_attentions=patch.output_attentions, counted_positions=False, additive_fill=False,
     )
     return layer.out_proj(out.transpose(1, 2).reshape(batch, length, -1)), probs
 

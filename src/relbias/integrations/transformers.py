@@ -39,6 +39,7 @@ from .. import functional
 from ..backends import BACKENDS
 from ..biases.t5 import T5Bias
 from ..functional import attention, attention_with_weights
+from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .loading import self_attention_modules, t5_biases_from_model
 from .masks import relbias_mask_from_hf
 
@@ -139,12 +140,16 @@ class T5PositionBias:
     parallel: _ContextParallel | None = None
     _mask_cache: list = field(default_factory=list, repr=False)  # [(hf_mask, is_causal, converted)] shared by the stack's layers
 
-    def relbias_mask(self, hf_mask: torch.Tensor | None, is_causal: bool) -> tuple[torch.Tensor | None, bool]:
-        """``relbias_mask_from_hf`` of the stack's mask, converted once per forward and reused by every layer."""
+    def relbias_mask(self, hf_mask: torch.Tensor | None,
+                     is_causal: bool) -> tuple[torch.Tensor | None, bool, torch.Tensor | None]:
+        """``(mask, is_causal, hidden)``: ``relbias_mask_from_hf`` of the stack's mask and its rows with no visible
+        key (:func:`~relbias.integrations.hidden_rows.hidden_rows`), computed once per forward and reused by every
+        layer."""
         for cached_mask, cached_causal, converted in self._mask_cache:
             if cached_mask is hf_mask and cached_causal == is_causal:
                 return converted
-        converted = relbias_mask_from_hf(hf_mask, is_causal=is_causal, query_start=self.query_start)
+        converted = (*relbias_mask_from_hf(hf_mask, is_causal=is_causal, query_start=self.query_start),
+                     hidden_rows(hf_mask))
         self._mask_cache[:] = [(hf_mask, is_causal, converted)]
         return converted
 
@@ -234,7 +239,7 @@ def _context_parallel_attention(module, query, key, value, attention_mask, dropo
             "attention dropout is not supported under patch_t5(process_group=...); set the model's dropout_rate to 0 "
             "or call model.eval()"
         )
-    mask, is_causal = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
+    mask, is_causal, _ = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
     b, _, local_len, _ = query.shape
     if mask is None:  # every rank passes a mask (a rank whose shard has no padding too), so the ring exchanges alike
         mask = torch.ones(b, 1, 1, local_len, dtype=torch.bool, device=query.device)
@@ -305,19 +310,26 @@ def relbias_t5_attention(
         )
     if position_bias.parallel is not None:
         return _context_parallel_attention(module, query, key, value, attention_mask, dropout, position_bias, kwargs)
-    mask, is_causal = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
+    mask, is_causal, hidden = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
     call = dict(
         bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
         query_start=position_bias.query_start, key_start=0,
         dropout_p=float(dropout) if module.training else 0.0,  # transformers passes 0 outside training
     )
+    # Rows with no visible key get transformers' mean of the values; eager attention adds the mask to the bias, so
+    # their gradient reaches the table there, while sdpa's torch.where keeps it from the table.
+    eager = getattr(getattr(module, "_relbias_stack_config", None), "_attn_implementation", None) == "eager"
+    fill = dict(scale=1.0, bias=position_bias.bias if eager else None, query_start=position_bias.query_start)
     if _wants_weights(module, kwargs):  # asked for: materialised (O(B·H·Lq·Lk)), as transformers' eager path
         _, weights = attention_with_weights(query, key, value, **call)  # (B, H, Lq, Lk), dropout applied
+        weights = fill_hidden_weights(weights, hidden)
         out = weights @ value  # (B, H, Lq, D) from the returned weights, as eager: their .grad sees the output
+        out = fill_hidden_rows(out, query, key, value, hidden, **fill)
         return out.transpose(1, 2).contiguous(), weights
     # No backend given: relbias.attention's own default ("auto" where relbias has the dispatcher).
     backend = {} if position_bias.backend is None else {"backend": position_bias.backend}
     out = attention(query, key, value, **call, **backend)  # (B, H, Lq, D)
+    out = fill_hidden_rows(out, query, key, value, hidden, **fill)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
 
 
@@ -487,9 +499,10 @@ def patch_t5(
     Outputs equal the unpatched model's up to float rounding (fp32: max abs difference <= 1e-5 in the tests) for the
     encoder, the decoder with and without a cache, generation, padding masks and batches; cross-attention is left
     as it is. Score convention "t5": ``(q . k) + u_{b(i-j)} + Mask``, no scaling (Raffel et al. 2020, §2.1).
-    Differences: a query with no visible key (a padded position under left padding) returns zeros where
-    transformers returns the mean of the values; with ``output_attentions=True`` (attention implementation
-    "eager", as transformers requires) self-attention weights are returned, materialised (O(B·H·L²) memory);
+    A query with no visible key (a padded position under left padding) gets transformers' result, the mean of the
+    values, and its gradients (:mod:`relbias.integrations.hidden_rows`; not under ``process_group``, where it
+    stays zeros). Differences: with ``output_attentions=True`` (attention implementation "eager", as transformers
+    requires) self-attention weights are returned, materialised (O(B·H·L²) memory);
     attention dropout in training mode runs on relbias' counter-based mask (a different random mask than
     transformers' own, with the same distribution).
 
