@@ -34,7 +34,7 @@ def _fails(argv, capsys) -> str:
         (["--max-scores", "nan"], "argument --max-scores: expected a number >= 0, got 'nan'"),
         (["--max-scores", "-1"], "argument --max-scores: expected a number >= 0, got '-1'"),
         (["--family", "rope", "--n", "8", "--no-memory", "--repeats", "1", "--methods", "blockwise"],
-         "relbias bench: error: unknown bias family 'rope'"),
+         "relbias bench: error: argument --family: invalid choice: 'rope'"),
         (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     ],
 )
