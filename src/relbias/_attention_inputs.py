@@ -206,6 +206,7 @@ def check_call(
     is_causal: bool,
     query_start: int | torch.Tensor | None,
     key_start: int | torch.Tensor,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[Alignment, list[tuple] | None]:
     """Every check :func:`relbias.attention` (and ``explain_backend``) makes before choosing a backend.
 
@@ -221,7 +222,8 @@ def check_call(
     stamp = check_bias(bias, query, target)
     if mask is not None:
         check_mask(mask, query, target)
-    if not is_causal and isinstance(bias, RelativeBias) and not bias.bidirectional:
+    future_hidden = is_causal or (window is not None and window[1] == 0)  # a window (left, 0) hides them too
+    if not future_hidden and isinstance(bias, RelativeBias) and not bias.bidirectional:
         _check_no_visible_future(mask, is_causal, alignment, query.device)
     return alignment, stamp
 

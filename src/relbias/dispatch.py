@@ -71,12 +71,13 @@ def explain_backend(
     generator: torch.Generator | None = None,
     attn_mask: torch.Tensor | None = None,
     enable_gqa: bool = False,
+    window: tuple[int | None, int | None] | None = None,
 ) -> tuple[str, str]:
     """Which backend :func:`relbias.attention` would run for these arguments, and why; runs nothing.
 
     Takes every argument :func:`relbias.attention` takes (``query``, ``key``, ``value``, ``bias``, ``mask``,
     ``is_causal``, ``scale``, ``convention``, ``query_start``, ``key_start``, ``return_lse``, ``dropout_p``,
-    ``attn_mask``, ``enable_gqa``), with
+    ``attn_mask``, ``enable_gqa``, ``window``), with
     the same meaning, so that a training call with dropout is named as it runs.
 
     Args:
@@ -110,7 +111,7 @@ def explain_backend(
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=probe,
-        attn_mask=attn_mask, enable_gqa=enable_gqa,
+        attn_mask=attn_mask, enable_gqa=enable_gqa, window=window,
     )
     chosen, reason = resolve_backend(backend, call)
     return chosen.name, reason

@@ -29,6 +29,7 @@ def attention(
     generator: torch.Generator | None = None,
     attn_mask: torch.Tensor | None = None,
     enable_gqa: bool = False,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a relative position bias: ``out_i = sum_j alpha(i, j) v_j``.
 
@@ -111,6 +112,13 @@ def attention(
             Hkv heads, H a multiple of Hkv, and query head ``h`` reads key/value head ``h // (H // Hkv)``. Default
             False (equal head counts). Key and value are repeated to H heads before the backend runs (a copy of
             O(B·H·Lk·D) per call, as SDPA's math path does); the bias and the mask have H (or 1) heads.
+        window: local (sliding-window) attention: None (default: every key), or ``(left, right)``, ints >= 0
+            (tokens) or None (unbounded on that side): the query at position ``i`` sees the keys ``j`` with
+            ``i - left <= j <= i + right``, offsets ``-right <= i - j <= left`` (:mod:`relbias.window`;
+            FlashAttention's ``window_size``, with None for its -1). With ``is_causal=True``, ``(W - 1, 0)`` is a
+            causal window of W keys. Composes with masks, positions, dropout, GQA and ``return_lse``; offsets
+            outside the window are never evaluated by the bias. The fused backends skip every tile outside the
+            band: time and memory O(Lq·W).
 
     Returns:
         out (B, H, Lq, Dv) in the dtype of ``query``; with ``return_lse=True`` the pair ``(out, lse)``,
@@ -126,7 +134,8 @@ def attention(
     Raises:
         TypeError: a non-tensor or non-float query/key/value, mismatched dtypes, an integer mask,
             a non-float bias tensor, non-int positions, a non-bool ``return_lse``, a ``generator`` that is not a
-            torch.Generator, both ``mask`` and ``attn_mask``, a non-bool ``enable_gqa``.
+            torch.Generator, both ``mask`` and ``attn_mask``, a non-bool ``enable_gqa``, a ``window`` that is not a
+            pair of ints or None.
         ValueError: wrong ranks; batch, heads, head_dim or key/value lengths that differ; a bias or
             mask that does not broadcast to (B, H, Lq, Lk); a bias module whose num_heads is neither 1
             nor H; a non-finite bias tensor; a float mask with NaN or +inf, or of only 0s and 1s (a 0/1 keep mask
@@ -135,7 +144,8 @@ def attention(
             divide the query's; an unknown convention or backend; ``dropout_p`` outside [0, 1);  a named backend that cannot
             run the call (the message says why); arguments on different
             devices; a causal-only bias (``bidirectional=False``) asked about a visible future key;
-            offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off).
+            offsets a bias cannot evaluate (e.g. beyond a per-offset table with clipping off); a negative window
+            side.
 
     Example:
         >>> import torch, relbias
@@ -147,7 +157,7 @@ def attention(
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=generator,
-        attn_mask=attn_mask, enable_gqa=enable_gqa,
+        attn_mask=attn_mask, enable_gqa=enable_gqa, window=window,
     )
     chosen, _ = resolve_backend(backend, call)
     out, lse = chosen.forward(call)

@@ -33,6 +33,7 @@ def attention_varlen(
     return_lse: bool = False,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Self-attention over sequences packed along the length, each attending only to itself.
 
@@ -48,7 +49,8 @@ def attention_varlen(
         cu_seqlens: the N + 1 boundaries, int (a list or a 1-D integer tensor, read on the host: O(N)), starting
             at 0, non-decreasing, ending at T. Empty sequences (equal neighbours) are allowed.
         bias: None or a :class:`relbias.RelativeBias` module (a bias tensor has no packed form).
-        is_causal, scale, convention, return_lse: as :func:`relbias.attention`, per sequence.
+        is_causal, scale, convention, return_lse, window: as :func:`relbias.attention`, per sequence (a window
+            never reaches into another sequence).
         backend: as :func:`relbias.attention`; "auto" on CUDA and "triton" run the sequences in one launch of the
             triton backend (``"auto"`` runs them one by one where it cannot), any other name one call per sequence.
         dropout_p, generator: attention dropout as :func:`relbias.attention`; each sequence draws its own mask
@@ -78,7 +80,7 @@ def attention_varlen(
     bounds = _boundaries(cu_seqlens, query, key, value)
     if bias is not None and not isinstance(bias, RelativeBias):
         raise TypeError(f"attention_varlen takes a RelativeBias module or None as bias, got {type(bias).__name__}")
-    if backend == "triton" or (backend == "auto" and query.device.type == "cuda"):
+    if window is None and (backend == "triton" or (backend == "auto" and query.device.type == "cuda")):
         from .backends.triton.varlen import packed_attention
 
         packed = packed_attention(query, key, value, bounds, bias=bias, is_causal=is_causal, scale=scale,
@@ -88,7 +90,7 @@ def attention_varlen(
             return packed
     outs, lses = [], []
     kwargs = dict(bias=bias, is_causal=is_causal, scale=scale, convention=convention, backend=backend,
-                  dropout_p=dropout_p, generator=generator, return_lse=return_lse)
+                  dropout_p=dropout_p, generator=generator, return_lse=return_lse, window=window)
     # One split per tensor (its backward concatenates the pieces' gradients once; a slice per sequence would add a
     # zero-filled (1, H, T, D) gradient per sequence)
     sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]

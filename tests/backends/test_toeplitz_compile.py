@@ -39,14 +39,16 @@ def test_compiled_forward_and_backward_equal_eager_without_graph_breaks(is_causa
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("window", [(-1, -1), (2, -1)])  # (left, right) sides, -1 unbounded
 @pytest.mark.parametrize("values_grad", [True, False])
-def test_the_custom_ops_pass_torch_library_opcheck(values_grad):
+def test_the_custom_ops_pass_torch_library_opcheck(values_grad, window):
     """Schema, fake (meta) kernels against the real ones (shapes, strides, dtypes), and the autograd registration."""
     from relbias.backends.toeplitz._kernel import toeplitz_backward, toeplitz_forward
 
     q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (5, 7, 7))
     values = torch.randn(7 + 5 - 1, 2, dtype=torch.float64).t().requires_grad_(values_grad)  # strided, like a lookup
-    settings = (0.5, 1.0, 2, True, 3, 4, 0.0, 0, 0, 0)  # scale, bias_scale, delta, is_causal, block_q, tile, no dropout
+    # scale, bias_scale, delta, is_causal, block_q, tile, no dropout, the window's sides
+    settings = (0.5, 1.0, 2, True, 3, 4, 0.0, 0, 0, 0, *window)
     torch.library.opcheck(toeplitz_forward, (q, k, v, values, None, *settings))
     out, lse = toeplitz_forward(q, k, v, values.detach(), None, *settings)
     grads = (torch.randn_like(out), torch.randn_like(lse))

@@ -38,7 +38,7 @@ def _inputs(lq, lk, hb, delta, is_causal, dtype, *, grad_lse=True, seed=0, tile=
     q, k, v = (torch.randn(B, H, n, D, generator=g, dtype=dtype) for n in (lq, lk, lk))
     values = torch.randn(hb, lq + lk - 1, generator=g, dtype=dtype)
     scale = D ** -0.5
-    out, lse = _forward_impl(q, k, v, values, None, scale, 1.0, delta, is_causal, 7, tile, 0.0, 0, 0, 0)
+    out, lse = _forward_impl(q, k, v, values, None, scale, 1.0, delta, is_causal, 7, tile, 0.0, 0, 0, 0, -1, -1)
     do = torch.randn(out.shape, generator=g, dtype=dtype)
     glse = torch.randn(lse.shape, generator=g, dtype=lse.dtype).masked_fill(lse == float("-inf"), 0.0)
     w = reversed_bias(values, dtype, 1.0, is_causal, delta, lk)
@@ -263,7 +263,7 @@ def _flash_forward(q, k, v, values, scale, delta, is_causal, monkeypatch):
     """The PyTorch path of _forward_impl (the CPU flash kernel per query block)."""
     with monkeypatch.context() as m:
         m.setenv("RELBIAS_NATIVE", "0")
-        return _forward_impl(q, k, v, values, None, scale, 1.0, delta, is_causal, 7, 5, 0.0, 0, 0, 0)
+        return _forward_impl(q, k, v, values, None, scale, 1.0, delta, is_causal, 7, 5, 0.0, 0, 0, 0, -1, -1)
 
 
 @pytest.mark.parametrize("blas", [True, False], ids=["blas", "addmm"])
@@ -389,12 +389,12 @@ def test_native_forward_takes_non_contiguous_inputs(layout):
 
 def test_relbias_native_0_runs_the_flash_forward(monkeypatch):
     q, k, v, values = _forward_inputs(20, 20, H, 0, True, torch.float64)
-    native = _forward_impl(q, k, v, values, None, D ** -0.5, 1.0, 0, True, 8, 5, 0.0, 0, 0, 0)
+    native = _forward_impl(q, k, v, values, None, D ** -0.5, 1.0, 0, True, 8, 5, 0.0, 0, 0, 0, -1, -1)
     monkeypatch.setenv("RELBIAS_NATIVE", "0")
     assert _toeplitz_native.forward(q, k, v, reversed_bias(values, torch.float64, 1.0, True, 0, 20), {}) is None
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an explicit opt-out: nothing to warn about
-        flash = _forward_impl(q, k, v, values, None, D ** -0.5, 1.0, 0, True, 8, 5, 0.0, 0, 0, 0)
+        flash = _forward_impl(q, k, v, values, None, D ** -0.5, 1.0, 0, True, 8, 5, 0.0, 0, 0, 0, -1, -1)
     for g, w in zip(native, flash):
         torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
 

@@ -3,8 +3,9 @@
 Query blocks x key blocks with an online softmax in float32 (Milakov & Gimelshein 2018; Dao et al.
 2022, FlashAttention, Alg. 1-2). Each tile reads its bias from the native per-offset vector
 (``values[:, offsets - min_offset]``), or, for a family that reads absolute positions
-(``offset_only = False``), from ``pair_values`` of the tile. Fully masked tiles of a causal problem are
-skipped. The backward pass recomputes each tile from the saved output and log-sum-exp, so what is kept
+(``offset_only = False``), from ``pair_values`` of the tile. Tiles wholly outside the causal rule or the window
+(:mod:`relbias.window`) are skipped, and a window's interior blocks run batched
+(:mod:`relbias.backends._shared.band_interior`): time O(Lq·W). The backward pass recomputes each tile from the saved output and log-sum-exp, so what is kept
 for backward is O(B·H·L·D). The gradient of the native vector is summed along tile diagonals in a
 fixed order: bit-identical across runs.
 
@@ -37,8 +38,10 @@ BLOCK_K = 1024
 CAREFUL_BLOCK = 32
 
 
-def make_source(bias, alignment: Alignment, convention: str, scale: float, compute: torch.dtype, device):
-    """Bias tiles for ``bias`` and the tensors through which its gradient flows.
+def make_source(bias, alignment: Alignment, convention: str, scale: float, compute: torch.dtype, device,
+                values: torch.Tensor | None = None):
+    """Bias tiles for ``bias`` and the tensors through which its gradient flows; ``values``: the native per-offset
+    values (Hb, Lq + Lk - 1) of an offset-only bias when the caller has them (a windowed call's), else computed.
 
     Returns:
         (source, inputs, kind): ``source`` a NativeSource / PairSource or None; ``inputs`` the tensors
@@ -58,10 +61,11 @@ def make_source(bias, alignment: Alignment, convention: str, scale: float, compu
     bias_scale = scale if convention == "seed" else 1.0
     delta = alignment.query_start - alignment.key_start
     if bias.offset_only:
-        values = bias.native(
-            alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start,
-            device=device,
-        ).values
+        if values is None:
+            values = bias.native(
+                alignment.query_len, alignment.key_len, query_start=alignment.query_start,
+                key_start=alignment.key_start, device=device,
+            ).values
         return NativeSource(values, alignment.min_offset, delta, bias_scale, compute), [values], "native"
     params = [p for p in bias.parameters() if p.requires_grad]
     source = PairSource(bias, params, alignment.query_start, alignment.key_start, bias_scale, compute)
@@ -143,10 +147,14 @@ def blockwise_attention(
     """
     query, key, value, alignment = call.query, call.key, call.value, call.alignment
     compute = compute_dtype(query.dtype)
-    source, inputs, kind = make_source(call.bias, alignment, call.convention, call.scale, compute, query.device)
+    windowed = call.window is not None and isinstance(call.bias, RelativeBias) and call.bias.offset_only
+    values = call.native_bias().values if windowed else None  # offsets outside the window: not evaluated
+    source, inputs, kind = make_source(call.bias, alignment, call.convention, call.scale, compute, query.device, values)
     careful = not call.hidden_keys_finite
+    left, right = call.window or (None, None)
     problem = TileProblem(
         query, key, value, call.scale, source, call.mask, call.is_causal, call.delta,
+        band_min_offset=None if right is None else -right, band_max_offset=left,
         block_q=block_q or (CAREFUL_BLOCK if careful else BLOCK_Q), block_k=block_k or (CAREFUL_BLOCK if careful else BLOCK_K),
         compute=compute, careful=careful, dropout=call.dropout,
     )

@@ -33,7 +33,10 @@ from .toeplitz import _native as _toeplitz_native
 from ._shared.cpu_flash import cpu_flash_reasons, fused_forward
 from ._shared.offset_table import reversed_rows
 from ._shared.reasons import dropout_reasons, non_finite_reasons, tensor_bias_reasons
+from ._shared.dtypes import compute_dtype
+from ._shared.window_keys import narrow_to_window
 from .toeplitz._view import reversed_bias
+from ..window import kernel_sides
 from .base import Backend
 
 __all__ = ["MAX_QUERIES", "DecodeBackend", "decode_attention"]
@@ -47,8 +50,13 @@ def _additive_mask(call: AttentionCall, dtype: torch.dtype) -> tuple[torch.Tenso
     bool, or None when every query sees every key (a decoding step: queries on the last keys)."""
     a, device = call.alignment, call.query.device
     visible = None
-    if call.is_causal and call.delta < a.key_len - 1:  # some key lies after the first query
-        visible = (a.offsets(device) >= 0)[None, None]
+    lo, hi = call.offset_band  # the causal rule (lo = 0) and the window
+    if (lo is not None and a.min_offset < lo) or (hi is not None and a.max_offset > hi):  # some key lies outside
+        offsets = a.offsets(device)
+        inside = (offsets >= lo) if lo is not None else (offsets <= hi)
+        if lo is not None and hi is not None:
+            inside = inside & (offsets <= hi)
+        visible = inside[None, None]
     add = _bias_block(call, dtype) if isinstance(call.bias, RelativeBias) else None
     mask = call.mask
     if mask is not None:
@@ -100,8 +108,15 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
 
     Shapes: query (B, H, Lq, D) with Lq <= :data:`MAX_QUERIES`, key and value (B, H, Lk, D) -> out (B, H, Lq, D)
     in the dtype of ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf for a query with no
-    visible key. Formula as :func:`relbias.attention`.
+    visible key. Formula as :func:`relbias.attention`. With a window, only the keys some query's window reaches are
+    read (:func:`~relbias.backends._shared.window_keys.narrow_to_window`): a decoding step with a window of W reads
+    W keys of any cache.
     """
+    call = narrow_to_window(call)
+    if call.alignment.key_len == 0:  # every key is outside every query's window
+        b, h, lq, _ = call.query.shape
+        lse = torch.full((b, h, lq), float("-inf"), dtype=compute_dtype(call.query.dtype), device=call.query.device)
+        return call.query.new_zeros(b, h, lq, call.value.shape[-1]), lse
     fused = _native_forward(call)
     if fused is not None:
         return fused
@@ -133,8 +148,11 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     if module is None:
         return None
     w = _reversed(call, query.dtype)
+    a = call.alignment
+    left, right = kernel_sides(call.window, a.min_offset, a.max_offset)
     out, lse = module.toeplitz_forward(query, key, value, w, call.scale, call.delta, call.is_causal,
-                                       _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True)
+                                       _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True,
+                                       window_left=left, window_right=right)
     return out, lse
 
 
@@ -158,7 +176,7 @@ class DecodeBackend(Backend):
         if call.query.dtype not in (torch.float32, torch.float64):
             reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias")
         reasons += cpu_flash_reasons(call)
-        return reasons or non_finite_reasons(call, "the decode kernel")
+        return reasons or non_finite_reasons(narrow_to_window(call), "the decode kernel")  # the keys it reads
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_attention(call)

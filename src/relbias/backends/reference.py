@@ -18,16 +18,25 @@ __all__ = ["ReferenceBackend", "reference_attention", "visible_keys"]
 
 
 def visible_keys(
-    mask: torch.Tensor | None, is_causal: bool, alignment: Alignment, device: torch.device
+    mask: torch.Tensor | None, is_causal: bool, alignment: Alignment, device: torch.device,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor:
     """Which keys each query may attend to: bool tensor broadcastable to (B, H, Lq, Lk).
 
-    A key is visible when the causal rule (key position <= query position, under ``alignment``) and
-    the mask both allow it; a float mask hides exactly its -inf entries.
+    A key is visible when the causal rule (key position <= query position, under ``alignment``), the
+    window (``i - left <= j <= i + right``: offsets ``-right <= i - j <= left``) and the mask all allow it;
+    a float mask hides exactly its -inf entries.
     """
     visible = torch.ones(alignment.query_len, alignment.key_len, dtype=torch.bool, device=device)
+    offsets = alignment.offsets(device)  # (Lq, Lk): i - j
     if is_causal:
-        visible = alignment.offsets(device) >= 0  # offset i - j >= 0: the key is not in the future
+        visible = visible & (offsets >= 0)  # the key is not in the future
+    if window is not None:
+        left, right = window
+        if left is not None:
+            visible = visible & (offsets <= left)  # at most `left` keys back
+        if right is not None:
+            visible = visible & (offsets >= -right)  # at most `right` keys ahead
     if mask is not None:
         visible = visible & (mask if mask.dtype == torch.bool else mask != float("-inf"))
     return visible
@@ -58,14 +67,16 @@ def reference_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor
     alignment, scale, convention = call.alignment, call.scale, call.convention
     compute = torch.float64 if query.dtype == torch.float64 else torch.float32
     q, k, v = query.to(compute), key.to(compute), value.to(compute)
-    visible = visible_keys(mask, call.is_causal, alignment, query.device)  # broadcasts to (B, H, Lq, Lk)
+    visible = visible_keys(mask, call.is_causal, alignment, query.device, call.window)  # broadcasts to (B, H, Lq, Lk)
     # Keys hidden from every query (padding) must not leak NaN/inf through 0 * NaN, forward or backward.
     unused = ~visible.any(dim=-2).unsqueeze(-1)  # (B or 1, H or 1, Lk, 1)
     zero = torch.zeros((), dtype=compute, device=q.device)
     k, v = torch.where(unused, zero, k), torch.where(unused, zero, v)
 
     scores = q @ k.transpose(-2, -1)  # (B, H, Lq, Lk), q . k
-    if isinstance(bias, RelativeBias):
+    if isinstance(bias, RelativeBias) and bias.offset_only and call.window is not None:
+        pe = call.native_bias().materialize()  # (H or 1, Lq, Lk); offsets outside the window are not evaluated
+    elif isinstance(bias, RelativeBias):
         pe = bias(
             alignment.query_len, alignment.key_len, query_start=alignment.query_start, key_start=alignment.key_start
         )  # (H or 1, Lq, Lk)

@@ -8,7 +8,7 @@ from ...call import AttentionCall
 
 __all__ = [
     "AUTO_REFERENCE_MAX_SCORES", "dropout_reasons", "empty_axis_reasons", "non_finite_reasons", "offset_kernel_reasons",
-    "small_block_reasons", "tensor_bias_reasons", "tensor_position_reasons",
+    "small_block_reasons", "tensor_bias_reasons", "tensor_position_reasons", "window_reasons",
 ]
 
 #: "auto" passes the tiled backends (flex, structured, blockwise) over for the reference when B·H·Lq·Lk is at
@@ -101,3 +101,11 @@ def offset_kernel_reasons(call: AttentionCall) -> list[str]:
                        "bias and a per-key padding row, not a mask with a query dimension or a float mask "
                        "(those go to blockwise)")
     return reasons
+
+
+def window_reasons(call: AttentionCall, backend: str) -> list[str]:
+    """A local-attention window (:mod:`relbias.window`), which ``backend`` (a name) does not apply."""
+    if call.window is None:
+        return []
+    return [f"a window {call.window} (left, right): {backend} does not apply one; toeplitz (its native kernels), "
+            f"blockwise and reference do, skipping what lies outside it"]

@@ -37,7 +37,9 @@ from ...biases.base import RelativeBias
 from ...call import AttentionCall
 from . import _blocks as _flex_blocks
 from ..base import Backend
-from .._shared.reasons import dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons
+from .._shared.reasons import (
+    dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons, window_reasons,
+)
 
 __all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
 
@@ -276,7 +278,7 @@ class FlexBackend(Backend):
     summary = "FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "FlexAttention")
+        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "FlexAttention") + window_reasons(call, "flex")
         bias = call.bias
         if isinstance(bias, RelativeBias) and not bias.offset_only:
             reasons.append(f"{type(bias).__name__} reads absolute positions; the flex backend looks up a per-offset vector")

@@ -41,6 +41,7 @@ from ...call import AttentionCall
 from .._shared.cpu_flash import cpu_flash_reasons
 from .._shared.reasons import (
     dropout_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons, tensor_position_reasons,
+    window_reasons,
 )
 from ._kernel import structured_apply
 from ._parts import far_parts
@@ -67,7 +68,7 @@ class StructuredBackend(Backend):
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = tensor_bias_reasons(call) + dropout_reasons(call, "the fused far parts")
-        reasons += tensor_position_reasons(call, "structured")
+        reasons += tensor_position_reasons(call, "structured") + window_reasons(call, "structured")
         bias = call.bias
         if bias is None:
             reasons.append("there is no bias; bias-free attention needs no band (use blockwise or SDPA)")

@@ -53,6 +53,7 @@ from .._shared.reasons import (
 from .._shared.masks import additive_mask
 from ._kernel import part_backward, toeplitz_apply
 from ._native import native_unavailable_reason
+from ...window import kernel_sides
 from ..base import Backend
 
 __all__ = [
@@ -86,6 +87,11 @@ class ToeplitzBackend(Backend):
             if why_not_native is not None:
                 reasons.append(f"attention dropout (dropout_p={call.dropout.p}) runs in the native kernels only, "
                                f"which are unavailable ({why_not_native}); blockwise applies it")
+        if call.window is not None and call.query.device.type == "cpu":
+            why_not_native = native_unavailable_reason()
+            if why_not_native is not None:
+                reasons.append(f"a window {call.window} runs in the native kernels only, which are unavailable "
+                               f"({why_not_native}); blockwise applies it")
         reasons += offset_kernel_reasons(call)
         reasons += cpu_flash_reasons(call)
         return reasons or non_finite_reasons(call, "the fused kernel")
@@ -177,6 +183,9 @@ def _plan(call: AttentionCall, block_q: int | None, tile: int | None) -> dict:
         "scale": call.scale, "bias_scale": call.bias_scale, "delta": call.delta, "is_causal": call.is_causal,
         "block_q": block_q or BLOCK_Q, "tile": tile or TILE,
     }
+    if call.window is not None:  # the kernels skip every tile outside the band (-1: no bound on that side)
+        a = call.alignment
+        plan["window_left"], plan["window_right"] = kernel_sides(call.window, a.min_offset, a.max_offset)
     if call.dropout is not None:  # the counter-based mask at the call's absolute positions (relbias._dropout)
         d = call.dropout
         plan.update(dropout_p=d.p, seed=d.seed, query_start=int(d.query_start), key_start=int(d.key_start))

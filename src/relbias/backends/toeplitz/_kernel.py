@@ -25,7 +25,7 @@ _NEG_INF = float("-inf")
 def _forward_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor,
     key_padding: torch.Tensor | None, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int,
-    tile: int, dropout_p: float, seed: int, query_start: int, key_start: int,
+    tile: int, dropout_p: float, seed: int, query_start: int, key_start: int, window_left: int, window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
     ``key_padding``: None or the key padding mask as an additive (Bm, Hm, Lk) row in the dtype of ``query``, 0 or
@@ -33,21 +33,29 @@ def _forward_impl(
     ``seed`` at the absolute positions ``query_start``, ``key_start`` (:class:`relbias._dropout.Dropout`; the native
     kernels only: the caller sees to it). ``tile`` is the backward's (kept with the forward's settings). The fused C++
     forward (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
-    else PyTorch's CPU flash kernel per block of ``block_q`` query rows."""
+    else PyTorch's CPU flash kernel per block of ``block_q`` query rows. ``window_left``, ``window_right``: a
+    local-attention window's sides, -1 for no bound (:func:`relbias.window.kernel_sides`; the native kernels only)."""
     w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
-    tile_q, tile_k = _toeplitz_native.forward_tiles(block_q)
+    tile_q, tile_k = _toeplitz_native.forward_tiles(block_q, _band_width(is_causal, window_left, window_right))
     native = _toeplitz_native.forward(
         query, key, value, w,
         {"scale": scale, "delta": delta, "is_causal": is_causal, "tile_q": tile_q, "tile_k": tile_k,
-         "dropout_p": dropout_p, "seed": seed, "query_start": query_start, "key_start": key_start},
+         "dropout_p": dropout_p, "seed": seed, "query_start": query_start, "key_start": key_start,
+         "window_left": window_left, "window_right": window_right},
         key_padding=key_padding,
     )
     if native is not None:
         return native
-    if dropout_p > 0:
-        raise RuntimeError("attention dropout on the toeplitz backend needs its native kernels, which do not run "
-                           "here (the dispatcher sends such calls to blockwise)")
+    if dropout_p > 0 or window_left >= 0 or window_right >= 0:
+        raise RuntimeError("attention dropout and windows on the toeplitz backend need its native kernels, which do "
+                           "not run here (the dispatcher sends such calls to blockwise)")
     return _flash_forward(query, key, value, w, key_padding, scale, delta, is_causal, block_q)
+
+
+def _band_width(is_causal: bool, window_left: int, window_right: int) -> int | None:
+    """The number of keys a query's window spans (offsets ``-right .. left``), or None when a side is unbounded."""
+    right = 0 if is_causal else window_right
+    return None if window_left < 0 or right < 0 else window_left + right + 1
 
 
 def _flash_forward(query, key, value, w, key_padding, scale, delta, is_causal, block_q):
@@ -102,7 +110,7 @@ toeplitz_forward = torch.library.custom_op("relbias::toeplitz_forward", _forward
 
 @toeplitz_forward.register_fake
 def _(query, key, value, values, key_padding, scale, bias_scale, delta, is_causal, block_q, tile, dropout_p, seed,
-      query_start, key_start):
+      query_start, key_start, window_left, window_right):
     b, h, lq, _ = query.shape
     return query.new_empty(b, h, lq, value.shape[-1]), query.new_empty(b, h, lq, dtype=compute_dtype(query.dtype))
 
@@ -111,7 +119,8 @@ def _backward_impl(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, values: torch.Tensor, key_padding: torch.Tensor | None, out: torch.Tensor,
     lse: torch.Tensor, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int,
-    dropout_p: float, seed: int, query_start: int, key_start: int, values_grad: bool,
+    dropout_p: float, seed: int, query_start: int, key_start: int, window_left: int, window_right: int,
+    values_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``;
     ``key_padding`` as the forward's.
@@ -128,9 +137,11 @@ def _backward_impl(
         dq, dk, dv = _kernel_backward(do, grad_lse, query, key, value, out, lse.masked_fill(empty, float("inf")),
                                       w, key_padding, scale, delta, is_causal, block_q)
         return dq, dk, dv, values.new_empty(0)
+    tile = _toeplitz_native.window_tile(tile, _band_width(is_causal, window_left, window_right))
     plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile, "dropout_p": dropout_p,
-            "seed": seed, "query_start": query_start, "key_start": key_start}
-    if dropout_p > 0:
+            "seed": seed, "query_start": query_start, "key_start": key_start, "window_left": window_left,
+            "window_right": window_right}
+    if dropout_p > 0 or window_left >= 0 or window_right >= 0:  # the native kernel alone applies them
         dq, dk, dv, grad_w = _toeplitz_native.native_backward(do, query, key, value, out, lse, grad_lse, w, plan,
                                                               key_padding=key_padding)
     else:
@@ -154,11 +165,13 @@ def part_backward(grad_out, query, key, value, values, out, lse, plan: dict, key
 
 
 def _settings(plan: dict) -> tuple:
-    """The ops' settings from a plan, in their order: scale, bias_scale, delta, is_causal, block_q, tile, and the
-    dropout's dropout_p, seed, query_start, key_start (0.0, 0, 0, 0 without)."""
+    """The ops' settings from a plan, in their order: scale, bias_scale, delta, is_causal, block_q, tile, the
+    dropout's dropout_p, seed, query_start, key_start (0.0, 0, 0, 0 without) and the window's window_left,
+    window_right (-1, -1 without)."""
     return (float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
             plan["tile"], float(plan.get("dropout_p", 0.0)), int(plan.get("seed", 0)),
-            int(plan.get("query_start", 0)), int(plan.get("key_start", 0)))
+            int(plan.get("query_start", 0)), int(plan.get("key_start", 0)), int(plan.get("window_left", -1)),
+            int(plan.get("window_right", -1)))
 
 
 def _kernel_backward(do, grad_lse, query, key, value, out, kernel_lse, w, key_padding, scale, delta, is_causal,
@@ -192,14 +205,14 @@ toeplitz_backward = torch.library.custom_op("relbias::toeplitz_backward", _backw
 
 @toeplitz_backward.register_fake
 def _(grad_out, grad_lse, query, key, value, values, key_padding, out, lse, scale, bias_scale, delta, is_causal,
-      block_q, tile, dropout_p, seed, query_start, key_start, values_grad):
+      block_q, tile, dropout_p, seed, query_start, key_start, window_left, window_right, values_grad):
     dvalues = values.new_empty(values.shape) if values_grad else values.new_empty(0)
     return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dvalues  # contiguous
 
 
 def _setup_context(ctx, inputs, output):
     query, key, value, values, key_padding, *settings = inputs
-    ctx.settings = settings  # scale, bias_scale, delta, is_causal, block_q, tile, dropout_p, seed, query_start, key_start
+    ctx.settings = settings  # scale, bias_scale, delta, is_causal, block_q, tile, dropout, window (see _settings)
     ctx.values_grad = values.requires_grad
     ctx.save_for_backward(query, key, value, values, key_padding, *output)
     ctx.set_materialize_grads(False)  # an unused lse gets no gradient, not zeros (which would cost a padded pass)

@@ -38,6 +38,7 @@ from ._backward import tiled_backward
 
 __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
+    "window_tile",
     "native_backward", "native_forward", "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout",
 ]
 
@@ -168,7 +169,9 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     """:func:`backward` by the native kernel only (raises RuntimeError where it is unavailable). ``blas``: GEMMs
     through the BLAS that libtorch exports (MKL's sgemm_ / dgemm_) when present, else through at::addmm_out
     (False: always at::addmm_out; for tests). ``plan`` may also hold the attention dropout's ``dropout_p``, ``seed``,
-    ``query_start`` and ``key_start`` (:class:`relbias._dropout.Dropout`; ``out`` is then the dropped output)."""
+    ``query_start`` and ``key_start`` (:class:`relbias._dropout.Dropout`; ``out`` is then the dropped output) and a
+    window's ``window_left`` and ``window_right`` (:func:`relbias.window.kernel_sides`: -1 for no bound; the Python
+    pass of :func:`backward` has no window, so a windowed call needs the native kernels)."""
     module = _module("backward")
     dtype = query.dtype
     tensors = [rows_layout(t.to(dtype)) for t in (do, query, key, value, out)] + [lse.to(dtype)]
@@ -176,16 +179,28 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     dq, dk, dv, grad_w = module.toeplitz_backward(
         *tensors, grad_lse, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]),
         bool(plan["is_causal"]), int(plan["tile"]), blas, _padding(key_padding, dtype), *_dropout(plan),
+        *_window(plan),
     )
     return dq, dk, dv, grad_w
 
 
-def forward_tiles(block_q: int) -> tuple[int, int]:
+def forward_tiles(block_q: int, width: int | None = None) -> tuple[int, int]:
     """(query rows, keys) per tile of the native forward: :data:`FORWARD_TILE_Q` and :data:`FORWARD_TILE_K`, each
     capped by the call's ``block_q`` (the flash path's query rows per kernel call), so that small settings (tests)
-    give small tiles. The backward's ``tile`` plays no part: the forward wants wider key tiles."""
+    give small tiles. The backward's ``tile`` plays no part: the forward wants wider key tiles. ``width``: a
+    window's band of offsets (keys a query may see), when bounded: query tiles then shrink to about a quarter of it
+    (:func:`window_tile`), so that a tile's keys are not much more than its rows' windows."""
     cap = max(1, int(block_q))
-    return min(cap, FORWARD_TILE_Q), min(cap, FORWARD_TILE_K)
+    return min(cap, window_tile(FORWARD_TILE_Q, width)), min(cap, FORWARD_TILE_K)
+
+
+def window_tile(tile: int, width: int | None) -> int:
+    """``tile`` (rows per tile, tokens), or for a window whose rows see ``width`` keys at most, the power of two
+    nearest below ``width / 4`` if smaller (at least 32): a tile of T rows reads T + width - 1 keys for T * width
+    visible scores, 1.25x them at T = width / 4 where T = width would read 2x."""
+    if width is None:
+        return tile
+    return min(tile, max(32, 1 << max(0, (width // 4).bit_length() - 1)))
 
 
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torch.Tensor,
@@ -216,6 +231,7 @@ def native_forward(query, key, value, w, plan, *, blas: bool = True, key_padding
     out, lse = module.toeplitz_forward(
         q, k, v, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]), bool(plan["is_causal"]),
         int(plan["tile_q"]), int(plan["tile_k"]), blas, _padding(key_padding, dtype), *_dropout(plan),
+        *_window(plan),
     )
     return out, lse
 
@@ -224,6 +240,12 @@ def _dropout(plan: dict) -> tuple[float, int, int, int]:
     """The kernels' dropout arguments from a plan: (dropout_p, seed, query_start, key_start); p 0: none."""
     return (float(plan.get("dropout_p", 0.0)), int(plan.get("seed", 0)), int(plan.get("query_start", 0)),
             int(plan.get("key_start", 0)))
+
+
+def _window(plan: dict) -> tuple[int, int]:
+    """The kernels' window arguments from a plan: (window_left, window_right), -1 for no bound on a side
+    (:func:`relbias.window.kernel_sides`); a plan without them has no window."""
+    return int(plan.get("window_left", -1)), int(plan.get("window_right", -1))
 
 
 def _padding(key_padding: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

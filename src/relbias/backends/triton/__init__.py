@@ -33,6 +33,7 @@ import torch
 from ...call import AttentionCall
 from .._shared.reasons import (
     empty_axis_reasons, non_finite_reasons, offset_kernel_reasons, tensor_bias_reasons, tensor_position_reasons,
+    window_reasons,
 )
 from ..base import Backend
 from ._support import device_reason, kernel_check
@@ -64,7 +65,7 @@ class TritonBackend(Backend):
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = tensor_bias_reasons(call) + tensor_position_reasons(call, "triton")
-        reasons += offset_kernel_reasons(call)
+        reasons += offset_kernel_reasons(call) + window_reasons(call, "triton")
         if torch.compiler.is_compiling():
             reasons.append("the Triton kernels are not traced by torch.compile (flex or blockwise run compiled calls)")
         reasons += empty_axis_reasons(call, "the Triton kernels")

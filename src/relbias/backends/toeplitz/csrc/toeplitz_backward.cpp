@@ -10,7 +10,8 @@
 //   P  = exp(max(S + w - lse, -87)),  dS = P * (dP - D),  dw[Lq-1-i+j] += dS_ij    (one fused pass)
 //   dv += P^T dO,  dq += scale dS k,  dk += scale dS^T q                        (GEMMs)
 //
-// with D_i = dO_i . O_i - grad_lse_i. P is exactly 0 for a causal call's future keys (j > i + delta), for keys a
+// with D_i = dO_i . O_i - grad_lse_i. P is exactly 0 for a causal call's future keys (j > i + delta), for keys
+// outside a local-attention window (Band, toeplitz_common.h: their tiles are skipped), for keys a
 // key padding mask pads (an additive row per (b, h), 0 or -inf: x = S + w + pad - lse) and for queries whose lse is
 // -inf (they see no key); such entries add nothing to any gradient, and key tiles whose keys are all padded are
 // skipped. With attention dropout (mask Z, 0 or 1 / (1 - p), regenerated from its counter: toeplitz_common.h),
@@ -81,7 +82,7 @@ template <typename T>
 void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
                      const at::Tensor& w, const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout,
-                     double scale_d, int64_t delta, bool is_causal, int64_t tile, bool blas, at::Tensor& dq,
+                     double scale_d, const Band& band, int64_t tile, bool blas, at::Tensor& dq,
                      at::Tensor& dk, at::Tensor& dv, at::Tensor& grad_w) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
@@ -142,8 +143,9 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
       T* dvb = dv_p + bh * Lk * Dv;
       for (int64_t i0 = 0; i0 < Lq; i0 += tile) {
         const int64_t i1 = std::min(Lq, i0 + tile), bq = i1 - i0;
-        const int64_t kend = std::min(klast, is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk);
-        if (kend <= kbeg) continue;
+        const int64_t kfirst = std::max(kbeg, band.begin(i0, Lk));  // the keys some row of the tile sees
+        const int64_t kend = std::min(klast, band.end(i1 - 1, Lk));
+        if (kend <= kfirst) continue;
         bool any_row = false;
         for (int64_t a = 0; a < bq; ++a) {  // D_i = dO_i . O_i - grad_lse_i; lse -inf: the row sees no key
           const int64_t i = i0 + a;
@@ -160,7 +162,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
         if (!any_row) continue;
         const T* qt = qb + i0 * q_ld;
         const T* dot_ = dob + i0 * do_ld;
-        for (int64_t k0 = kbeg; k0 < kend; k0 += tile) {
+        for (int64_t k0 = kfirst; k0 < kend; k0 += tile) {
           const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
           if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // P = 0 for every entry: nothing to add
           const T* kt = kb + k0 * k_ld;
@@ -171,26 +173,26 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
             const int64_t i = i0 + a;
             T* __restrict__ srow = S + a * tile;
             T* __restrict__ prow = dP + a * tile;
-            int64_t jend = bk;  // keys k0 + j, j < jend, are visible to query i
-            if (row_lse[a] == neg_inf) {
-              jend = 0;
-            } else if (is_causal) {
-              jend = std::min(bk, std::max<int64_t>(0, i + delta + 1 - k0));
-            }
+            int64_t jbeg = 0, jend = 0;  // keys k0 + j, jbeg <= j < jend, are visible to query i
+            if (row_lse[a] != neg_inf) band.row(i, Lk, k0, bk, jbeg, jend);
             const T l = row_lse[a], dd = row_d[a];
-            const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
-            T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0);
-            const T* keep_row = keep == nullptr ? nullptr : keep + k0;
-            const uint32_t row_hash = dropout.on ? dropout.row(bh, i) : 0u, key_base = dropout.key_base(k0);
+            const T* __restrict__ wrow = wr + (Lq - 1 - i + k0 + jbeg);
+            T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0 + jbeg);
+            const T* keep_row = keep == nullptr ? nullptr : keep + k0 + jbeg;
+            const uint32_t row_hash = dropout.on ? dropout.row(bh, i) : 0u, key_base = dropout.key_base(k0 + jbeg);
             auto pass = [&](auto padded, auto dropped) {  // the instantiation for this row's padding and dropout
               probs_and_grads<decltype(padded)::value, decltype(dropped)::value>(
-                  srow, prow, grow, wrow, keep_row, jend, l, dd, floor, ceiling, row_hash, key_base,
-                  dropout.threshold, keep_scale);
+                  srow + jbeg, prow + jbeg, grow, wrow, keep_row, jend - jbeg, l, dd, floor, ceiling, row_hash,
+                  key_base, dropout.threshold, keep_scale);
             };
             if (keep_row != nullptr) {
               dropout.on ? pass(std::true_type{}, std::true_type{}) : pass(std::true_type{}, std::false_type{});
             } else {
               dropout.on ? pass(std::false_type{}, std::true_type{}) : pass(std::false_type{}, std::false_type{});
+            }
+            for (int64_t j = 0; j < jbeg; ++j) {
+              srow[j] = T(0);
+              prow[j] = T(0);
             }
             for (int64_t j = jend; j < bk; ++j) {
               srow[j] = T(0);
@@ -235,15 +237,18 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 // k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; CPU tensors of one dtype,
 // float32 or float64: dout, q, k, v, out with unit stride along D (other strides read in place), lse and grad_lse any
 // strides, w contiguous. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
-// (when present) instead of at::addmm_out. kpad, dropout_p, seed, query_start, key_start: as toeplitz_forward's
-// (out is then the dropped output the forward returned).
+// (when present) instead of at::addmm_out. kpad, dropout_p, seed, query_start, key_start, window_left,
+// window_right: as toeplitz_forward's (out is then the dropped output the forward returned).
 std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                           const c10::optional<at::Tensor>& grad_lse, const at::Tensor& w,
                                           double scale, int64_t delta, bool is_causal, int64_t tile, bool blas,
                                           const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
-                                          int64_t query_start, int64_t key_start) {
+                                          int64_t query_start, int64_t key_start, int64_t window_left,
+                                          int64_t window_right) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward");
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "toeplitz_backward: window sides must be >= 0, or -1 (none)");
+  const Band band(delta, is_causal, window_left, window_right);
   check_kpad(kpad, q, k, dtype, "toeplitz_backward");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_backward: dropout_p must be in [0, 1)");
   const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
@@ -264,8 +269,8 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
   at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
   at::Tensor dv = at::zeros(v.sizes(), v.options()), grad_w = at::empty_like(w);
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_backward", [&] {
-    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, kpad, dropout, scale, delta, is_causal, tile,
-                              blas, dq, dk, dv, grad_w);
+    backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, kpad, dropout, scale, band, tile, blas, dq, dk,
+                              dv, grad_w);
   });
   return {dq, dk, dv, grad_w};
 }
@@ -277,12 +282,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
         py::arg("grad_lse"), py::arg("w"), py::arg("scale"), py::arg("delta"), py::arg("is_causal"), py::arg("tile"),
         py::arg("blas"), py::arg("kpad") = py::none(), py::arg("dropout_p") = 0.0, py::arg("seed") = 0,
-        py::arg("query_start") = 0, py::arg("key_start") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("query_start") = 0, py::arg("key_start") = 0, py::arg("window_left") = -1,
+        py::arg("window_right") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("toeplitz_forward", &toeplitz_forward, "toeplitz forward (out, lse), fused (toeplitz_forward.cpp)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("w"), py::arg("scale"), py::arg("delta"),
         py::arg("is_causal"), py::arg("tile_q"), py::arg("tile_k"), py::arg("blas"), py::arg("kpad") = py::none(),
         py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("query_start") = 0, py::arg("key_start") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("window_left") = -1, py::arg("window_right") = -1, py::call_guard<py::gil_scoped_release>());
   m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
 #ifdef RELBIAS_SOURCE_DIGEST  // an ahead-of-time build (setup.py): the digest of the sources it was built from
 #define RELBIAS_STRINGIFY_(x) #x

@@ -225,6 +225,27 @@ inline at::ScalarType check_qkvw(const at::Tensor& q, const at::Tensor& k, const
   return dtype;
 }
 
+// The keys a query may see under the causal rule and a local-attention window (relbias.window): key s is visible to
+// query t when t + delta - left <= s (left >= 0; -1: no bound) and s <= t + delta + right (right >= 0; the causal
+// rule is right 0; -1 without either: no bound). [begin(t), end(t)) are those keys among the block's lk; a query tile
+// [i0, i1) sees keys [begin(i0), end(i1 - 1)) at most.
+struct Band {
+  int64_t delta, left, right;
+  Band(int64_t delta_, bool is_causal, int64_t left_, int64_t right_)
+      : delta(delta_), left(left_), right(is_causal ? 0 : right_) {}
+  int64_t begin(int64_t t, int64_t lk) const {
+    return left < 0 ? 0 : std::min(lk, std::max<int64_t>(0, t + delta - left));
+  }
+  int64_t end(int64_t t, int64_t lk) const {
+    return right < 0 ? lk : std::min(lk, std::max<int64_t>(0, t + delta + right + 1));
+  }
+  // [jbeg, jend) within a key tile of bk keys starting at key k0: the keys of the tile query t sees.
+  void row(int64_t t, int64_t lk, int64_t k0, int64_t bk, int64_t& jbeg, int64_t& jend) const {
+    jbeg = std::min(bk, std::max<int64_t>(0, begin(t, lk) - k0));
+    jend = std::max(jbeg, std::min(bk, end(t, lk) - k0));
+  }
+};
+
 // A key padding mask as an additive row per (b, h): kpad (Bm, Hm, Lk) contiguous, 0 for a key the queries may see
 // and -inf for a padded one, Bm 1 or B, Hm 1 or H (a broadcast batch or head). (*this)(bh) is the row of b * H + h,
 // or nullptr without a mask.
@@ -335,4 +356,5 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
                                          int64_t tile_q, int64_t tile_k, bool blas,
                                          const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
-                                         int64_t query_start, int64_t key_start);
+                                         int64_t query_start, int64_t key_start, int64_t window_left,
+                                         int64_t window_right);

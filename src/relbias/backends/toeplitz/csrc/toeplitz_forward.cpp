@@ -7,13 +7,14 @@
 // -inf at a causal call's future offsets), so a query row reads a contiguous window of w. Per query tile, with
 // running row maxima m, row sums l and the unnormalised output O (the output rows themselves):
 //
-//   for each key tile the tile can see (causal: up to its last row's diagonal):
+//   for each key tile the tile can see (causal: up to its last row's diagonal; a window: its band, Band in
+//   toeplitz_common.h):
 //     S = scale q k^T                                              (GEMM)
 //     x = S + w (visible keys only),  m' = max(m, max_j x),  P = exp(x - m'),  a = exp(m - m')   (one fused pass)
 //     l = a l + sum_j P,  O = a O + P v                             (row scaling, GEMM)
 //   out = O / l,  lse = m + log l
 //
-// Keys beyond a row's diagonal (causal) get P = 0 exactly without being exponentiated; terms exp(x - m') below
+// Keys beyond a row's diagonal (causal) or outside its window get P = 0 exactly without being exponentiated; terms exp(x - m') below
 // e^-87 are dropped (0), as float32 flushes them (they are below 2^-126 of the row's largest term, 1). A key padding
 // mask is one more additive row per (b, h), 0 or -inf (x = S + w + pad: a padded key's P is exactly 0), and a key
 // tile whose keys are all padded is skipped (no GEMM). A query that sees no key (causal, every key after it, or
@@ -120,7 +121,7 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
 template <typename T>
 void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
                     const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout, double scale_d,
-                    int64_t delta, bool is_causal, int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out,
+                    const Band& band, int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out,
                     at::Tensor& lse) {
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
@@ -164,10 +165,10 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       std::fill(ob, ob + bq * Dv, T(0));
       std::fill(row_m, row_m + bq, neg_inf);
       std::fill(row_l, row_l + bq, T(0));
-      int64_t kbeg = 0, kend = is_causal ? std::min(Lk, std::max<int64_t>(0, i1 + delta)) : Lk;
+      int64_t kbeg = band.begin(i0, Lk), kend = band.end(i1 - 1, Lk);  // the keys some row of the tile sees
       if (pad != nullptr) {  // only the kept keys' range; the row itself only where padding lies inside it
         const PadRange range = pad_range(pad, Lk);
-        kbeg = range.first;
+        kbeg = std::max(kbeg, range.first);
         kend = std::min(kend, range.last);
         if (!range.interior) pad = nullptr;
       }
@@ -178,24 +179,27 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         for (int64_t a = 0; a < bq; ++a) {
           const int64_t i = i0 + a;
           T* __restrict__ srow = S + a * tile_k;
-          int64_t jend = bk;  // keys k0 + j, j < jend, are visible to query i
-          if (is_causal) jend = std::min(bk, std::max<int64_t>(0, i + delta + 1 - k0));
-          const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);
-          const T mx = pad == nullptr ? add_bias_max<false>(srow, wrow, static_cast<const T*>(nullptr), jend)
-                                      : add_bias_max<true>(srow, wrow, pad + k0, jend);
+          int64_t jbeg, jend;  // keys k0 + j, jbeg <= j < jend, are visible to query i
+          band.row(i, Lk, k0, bk, jbeg, jend);
+          const int64_t n = jend - jbeg;
+          T* __restrict__ seen = srow + jbeg;
+          const T* __restrict__ wrow = wr + (Lq - 1 - i + k0 + jbeg);
+          const T mx = pad == nullptr ? add_bias_max<false>(seen, wrow, static_cast<const T*>(nullptr), n)
+                                      : add_bias_max<true>(seen, wrow, pad + k0 + jbeg, n);
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
-          if (jend == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
+          if (n == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
             std::fill(srow, srow + bk, T(0));
             continue;
           }
-          const T sum = exp_sum(srow, m_new, jend);
+          const T sum = exp_sum(seen, m_new, n);
+          std::fill(srow, seen, T(0));
           std::fill(srow + jend, srow + bk, T(0));
           const T alpha = std::exp(m_old - m_new);  // 0 while m_old is -inf (O and l are still 0)
           row_l[a] = alpha * row_l[a] + sum;
           row_m[a] = m_new;
           if (dropout.on) {
-            apply_dropout(srow, jend, dropout.row(bh, i), dropout.key_base(k0), dropout.threshold, keep_scale);
+            apply_dropout(seen, n, dropout.row(bh, i), dropout.key_base(k0 + jbeg), dropout.threshold, keep_scale);
           }
           if (alpha != T(1)) {
             T* __restrict__ orow = ob + a * Dv;
@@ -225,7 +229,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
 // (B, H, Lk, Dv); w (Hb, Lq + Lk - 1) with Hb 1 or H, the reversed scaled bias (-inf at a causal call's future
 // offsets); CPU tensors of one dtype, float32 or float64, q, k, v with unit stride along D (any other strides: read
 // in place), w with unit stride along offsets (any row stride: a view into a longer table). delta: key s is visible
-// to query t when s <= t + delta (causal). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
+// to query t when s <= t + delta (causal); window_left, window_right: and t + delta - window_left <= s <= t + delta +
+// window_right (-1: no bound on that side; Band in toeplitz_common.h). tile_q, tile_k: query rows and keys per tile. Returns out (B, H, Lq, Dv) and lse
 // (B, H, Lq), contiguous, in that dtype. blas: call the exported BLAS directly (when present) instead of
 // at::addmm_out. kpad: None or the key padding mask as an additive (1 or B, 1 or H, Lk) row, 0 or -inf, contiguous.
 // dropout_p in [0, 1): attention dropout with the counter-based mask of seed, the first query's and the first key's
@@ -234,8 +239,11 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
                                          const at::Tensor& w, double scale, int64_t delta, bool is_causal,
                                          int64_t tile_q, int64_t tile_k, bool blas,
                                          const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
-                                         int64_t query_start, int64_t key_start) {
+                                         int64_t query_start, int64_t key_start, int64_t window_left,
+                                         int64_t window_right) {
   const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward", Layout::kUnitLast);
+  TORCH_CHECK(window_left >= -1 && window_right >= -1, "toeplitz_forward: window sides must be >= 0, or -1 (none)");
+  const Band band(delta, is_causal, window_left, window_right);
   check_kpad(kpad, q, k, dtype, "toeplitz_forward");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_forward: dropout_p must be in [0, 1)");
   const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
@@ -250,7 +258,7 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor lse = at::empty({B, H, Lq}, q.options());
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_forward", [&] {
-    forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, delta, is_causal, tile_q, tile_k, blas, out, lse);
+    forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, out, lse);
   });
   return {out, lse};
 }
