@@ -51,13 +51,16 @@ class Case:
     seq_len: int = 64
     dtype: str = "float32"
     kv_chunks: int | None = None  # None: the default (whole shards at these lengths)
+    window: tuple[int | None, int | None] | None = None  # local attention (left, right)
 
     @property
     def name(self) -> str:
         pad = "-pad" if self.padding else ""
         f64 = "-float64" if self.dtype == "float64" else ""
         chunks = "" if self.kv_chunks is None else f"-chunks{self.kv_chunks}"
-        return f"{self.family}-{'causal' if self.is_causal else 'bidir'}-{self.layout}-{self.strategy}{pad}{f64}{chunks}"
+        window = "" if self.window is None else f"-window{self.window[0]}_{self.window[1]}"
+        return (f"{self.family}-{'causal' if self.is_causal else 'bidir'}-{self.layout}-{self.strategy}{pad}{f64}"
+                f"{chunks}{window}")
 
     @property
     def tolerance(self) -> float:
@@ -85,6 +88,12 @@ def comparison_cases() -> list[Case]:
     cases.append(Case("offset_shared_causal", True, "contiguous", "ring", False, kv_chunks=2))
     cases.append(Case("fire", True, "zigzag", "ring", False, seq_len=32, kv_chunks=2))
     cases.append(Case("t5", False, "zigzag", "ring", False, dtype="float64", kv_chunks=4))
+    # local attention: blocks wholly outside the window are skipped, blocks it cuts run with it
+    cases.append(Case("t5_causal", True, "contiguous", "ring", True, window=(9, 0)))
+    cases.append(Case("t5", False, "zigzag", "ring", False, window=(6, 3)))
+    cases.append(Case("offset", False, "contiguous", "ring", True, window=(5, 5)))
+    cases.append(Case("alibi", True, "zigzag", "ulysses", True, window=(12, 0)))
+    cases.append(Case("t5_causal", True, "contiguous", "ring", False, dtype="float64", kv_chunks=4, window=(20, 0)))
     return cases
 
 
@@ -112,6 +121,8 @@ REFUSALS = {
     "mask_on_some_ranks": ("ValueError", "mask (batch, 0: none): [1, 0"),
     "scale_differs_across_ranks": ("ValueError", "scale: [0.5, 0.25"),
     "dtype_differs_across_ranks": ("ValueError", "dtype: ['torch.float32', 'torch.float64'"),
+    "window_negative": ("ValueError", "window left must be >= 0"),
+    "window_differs_across_ranks": ("ValueError", "window left (-1: none): [4, 5"),
 }
 
 
@@ -143,7 +154,7 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
     mask = _key_padding(length) if case.padding else None
 
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = relbias.attention(*leaves, bias=ref_bias, mask=mask, is_causal=case.is_causal)
+    ref = relbias.attention(*leaves, bias=ref_bias, mask=mask, is_causal=case.is_causal, window=case.window)
     (ref * g).sum().backward()
 
     def local(t):
@@ -154,14 +165,14 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
     out = context_parallel_attention(
         *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
         is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, stats=stats, group=group,
-        kv_chunks=case.kv_chunks,
+        kv_chunks=case.kv_chunks, window=case.window,
     )
     (out * local(g)).sum().backward()
     with torch.no_grad():  # inference runs without the autograd Function
         out_no_grad = context_parallel_attention(
             *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
             is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, group=group,
-            kv_chunks=case.kv_chunks,
+            kv_chunks=case.kv_chunks, window=case.window,
         )
 
     pairs = {"out": (out, local(ref)), "out_no_grad": (out_no_grad, local(ref))}
@@ -220,6 +231,10 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["scale"] = 0.5 if rank == 0 else 0.25
     elif name == "dtype_differs_across_ranks":
         q = q if rank == 0 else q.double()
+    elif name == "window_negative":
+        kwargs["window"] = (-1, 0)
+    elif name == "window_differs_across_ranks":
+        kwargs["window"] = (4 if rank == 0 else 5, 0)
     elif name.endswith("_double_backward"):  # a gradient penalty: refused on every rank before communicating
         q = q.requires_grad_(True)
         kwargs.update(bias=relbias.T5Bias(H), strategy=name.split("_")[0])

@@ -70,6 +70,9 @@ def test_ring_skips_future_blocks_and_runs_far_blocks_bias_free(groups, world_si
     chunked = total("t5_causal-causal-zigzag-ring-pad-chunks4")
     assert chunked[0] == 8 * world_size**2
     assert chunked[1] + chunked[2] + chunked[3] == chunked[0]
+    # a causal window of 10 keys: a query shard sees its own keys and at most the previous shard's
+    windowed = total("t5_causal-causal-contiguous-ring-pad-window9_0")
+    assert windowed[0] == world_size**2 and windowed[1] == world_size**2 - (2 * world_size - 1)
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))

@@ -60,3 +60,16 @@ def test_block_kinds():
     assert block_kind(0, 16, 32, 16, is_causal=False, far_distance=None) == "bias"
     assert block_kind(0, 16, 16, 16, is_causal=True, far_distance=None) == "skip"
     assert block_kind(0, 16, 15, 16, is_causal=True, far_distance=None) == "bias"  # key 15 is visible to query 15
+
+
+def test_block_kinds_under_a_window():
+    # queries 32..47 against keys 0..15: offsets 17..47
+    assert block_kind(32, 16, 0, 16, is_causal=True, far_distance=None, window=(16, 0)) == "skip"  # all beyond 16
+    assert block_kind(32, 16, 0, 16, is_causal=True, far_distance=None, window=(17, 0)) == "bias"  # query 32, key 15
+    # far-constant blocks run bias-free only when the window hides none of their keys
+    assert block_kind(32, 16, 0, 16, is_causal=True, far_distance=17, window=(47, 0)) == "past"
+    assert block_kind(32, 16, 0, 16, is_causal=True, far_distance=17, window=(46, 0)) == "bias"
+    # keys 32..47 ahead of queries 0..15 (offsets -47..-17): a right side of 16 reaches none, of 17 one pair
+    assert block_kind(0, 16, 32, 16, is_causal=False, far_distance=8, window=(None, 16)) == "skip"
+    assert block_kind(0, 16, 32, 16, is_causal=False, far_distance=8, window=(None, 17)) == "bias"
+    assert block_kind(0, 16, 32, 16, is_causal=False, far_distance=8, window=(None, 47)) == "future"

@@ -54,7 +54,14 @@ def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tenso
         "mask (batch, 0: none)": 0 if mask is None else mask.shape[0],
         "mask (num_heads, 0: none)": 0 if mask is None else mask.shape[1], "kv_chunks": call.kv_chunks,
         "sync_bias_grads": int(call.sync_bias_grads),
+        "window left (-1: none)": _side(settings.window, 0), "window right (-1: none)": _side(settings.window, 1),
     }
+
+
+def _side(window: tuple[int | None, int | None] | None, index: int) -> int:
+    """One side of a validated window as an int: -1 for no window or no bound on that side."""
+    side = None if window is None else window[index]
+    return -1 if side is None else side
 
 
 def check_ranks_agree(call: ContextParallelCall, query: torch.Tensor, value: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ def context_parallel_attention(
     stats: RingStats | None = None,
     kv_chunks: int | None = None,
     sync_bias_grads: bool = True,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor:
     """Exact self-attention with a relative position bias over a sequence sharded along its length.
 
@@ -98,6 +99,11 @@ def context_parallel_attention(
             False: each rank keeps its own part, like every other parameter's gradient, for a data-parallel wrapper
             that reduces gradients over these ranks as well (FSDP2 over a flattened data x context mesh, DDP over
             the context ranks); summing them there again would count the bias's gradient P times.
+        window: local (sliding-window) attention at global positions, as :func:`relbias.attention`'s ``window``:
+            None (default) or ``(left, right)``, ints >= 0 or None; query i sees keys ``i - left <= j <= i + right``.
+            "ring": a block wholly outside every query's window is skipped (counted in ``stats.skipped``), one the
+            window cuts runs with it; the key chunks still travel the whole ring. "ulysses": each rank's heads run
+            the windowed call over the whole sequence.
 
     Returns:
         (B, H, L/P, Dv) this rank's output shard, in the dtype of ``query``; differentiable in query, key,
@@ -107,7 +113,8 @@ def context_parallel_attention(
 
     Raises:
         RuntimeError: torch.distributed is not initialised.
-        TypeError: as :func:`relbias.attention`; a ``kv_chunks`` neither None nor an int; a ``group`` that is not a
+        TypeError: as :func:`relbias.attention`; a ``window`` that is not a pair of ints or None; a ``kv_chunks``
+            neither None nor an int; a ``group`` that is not a
             process group, a DeviceMesh or None; a non-bool ``sync_bias_grads``; a bias that is not a
             RelativeBias module (tensor biases have no global positions); a mask that is not bool; a non-bool
             ``is_causal``.
@@ -130,6 +137,7 @@ def context_parallel_attention(
     call = check_context_parallel(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks, sync_bias_grads=sync_bias_grads,
+        window=window,
     )
     check_ranks_agree(call, query, value)
     if call.strategy == "ring":

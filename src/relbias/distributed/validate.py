@@ -19,6 +19,7 @@ from .ring.blocks import BlockSettings
 from .groups import resolve_group
 from .layout import check_layout, shard_pieces
 from .ring.plan import resolve_kv_chunks
+from ..window import check_window, offset_band
 
 __all__ = ["STRATEGIES", "ContextParallelCall", "check_context_parallel"]
 
@@ -76,13 +77,17 @@ def _check_mask(mask: object, query: torch.Tensor, local_len: int) -> None:
         raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
 
 
-def _check_bias_range(bias: RelativeBias, seq_len: int, is_causal: bool, device: torch.device) -> None:
-    """Evaluate the bias at the extreme global offsets, so that a table too short for the sequence (a per-offset
-    bias with out_of_range="error") is refused here, on every rank, and not inside one rank's block."""
+def _check_bias_range(bias: RelativeBias, seq_len: int, is_causal: bool, device: torch.device,
+                      window: tuple[int | None, int | None] | None = None) -> None:
+    """Evaluate the bias at the extreme global offsets a query may see (the window's band, if any), so that a table
+    too short for them (a per-offset bias with out_of_range="error") is refused here, on every rank, and not inside
+    one rank's block."""
     if not bias.offset_only:
         return
-    low = 0 if is_causal else -(seq_len - 1)
-    bias.offset_values(torch.tensor([low, seq_len - 1], device=device))
+    lo, hi = offset_band(window, is_causal)
+    low, high = -(seq_len - 1), seq_len - 1
+    low, high = low if lo is None else max(low, lo), high if hi is None else min(high, hi)
+    bias.offset_values(torch.tensor([low, high], device=device))
 
 
 def check_context_parallel(
@@ -100,6 +105,7 @@ def check_context_parallel(
     strategy: object,
     kv_chunks: object = None,
     sync_bias_grads: object = True,
+    window: object = None,
 ) -> ContextParallelCall:
     """Validate the arguments of :func:`relbias.distributed.context_parallel_attention`.
 
@@ -146,6 +152,7 @@ def check_context_parallel(
         )
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
+    window = check_window(window)
     if bias is not None and not isinstance(bias, RelativeBias):
         raise TypeError(
             f"context-parallel attention takes a RelativeBias module or None as bias, got {type(bias).__name__} "
@@ -155,12 +162,12 @@ def check_context_parallel(
     convention, scale = resolve_convention(convention, bias, scale, d)
     _check_mask(mask, query, local_len)
     if bias is not None:
-        if not bias.bidirectional and not is_causal:
+        if not bias.bidirectional and not is_causal and not (window is not None and window[1] == 0):
             raise ValueError(
                 "the bias is causal (bidirectional=False) and has no value for future keys (offset i - j < 0); "
                 "pass is_causal=True"
             )
-        _check_bias_range(bias, local_len * world_size, is_causal, query.device)
+        _check_bias_range(bias, local_len * world_size, is_causal, query.device, window)
     if strategy == "ring":
         pieces = len(shard_pieces(local_len * world_size, world_size, rank, layout))
         chunks = resolve_kv_chunks(kv_chunks, local_len, pieces, world_size)
@@ -168,7 +175,7 @@ def check_context_parallel(
         if kv_chunks is not None:
             check_int("kv_chunks", kv_chunks, minimum=1)
         chunks = 1
-    settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias))
+    settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias), window)
     return ContextParallelCall(
         group, world_size, rank, layout, strategy, local_len, mask, settings, chunks, sync_bias_grads
     )

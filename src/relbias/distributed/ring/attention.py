@@ -52,7 +52,8 @@ def _blocks(call: ContextParallelCall, starts: torch.Tensor, key_len: int):
         q_slice = slice(at, at + q_len)
         at += q_len
         for n, k_start in enumerate(starts):
-            kind = block_kind(q_start, q_len, k_start, piece, is_causal=settings.is_causal, far_distance=settings.far_distance)
+            kind = block_kind(q_start, q_len, k_start, piece, is_causal=settings.is_causal,
+                              far_distance=settings.far_distance, window=settings.window)
             yield q_slice, q_start, slice(n * piece, (n + 1) * piece), k_start, kind
 
 

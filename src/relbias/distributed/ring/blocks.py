@@ -35,6 +35,7 @@ class BlockSettings:
         scale: multiplier of ``q . k`` (resolved for the convention).
         convention: "seed", "additive" or "t5" (resolved).
         far_distance: T of a far-constant bias, or None.
+        window: None or the local-attention window ``(left, right)`` (:mod:`relbias.window`), validated.
     """
 
     bias: RelativeBias | None
@@ -42,6 +43,7 @@ class BlockSettings:
     scale: float
     convention: str
     far_distance: int | None
+    window: tuple[int | None, int | None] | None = None
 
     @property
     def bias_scale(self) -> float:
@@ -72,6 +74,7 @@ def _toeplitz_call(query, key, value, mask, query_start, key_start, settings: Bl
     call = make_call(
         query, key, value, bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
         convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
+        window=settings.window,
     )
     return None if BACKENDS["toeplitz"].unsupported_reasons(call) else call
 
@@ -112,6 +115,7 @@ def run_block(
         kwargs = dict(
             bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
             convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
+            window=settings.window,
         )
         return attention(query, key, value, backend=_band_backend(query, key, value, kwargs, settings), **kwargs)
     # Every key is visible to every query (past: offsets >= T >= 1; future: only without is_causal).

@@ -11,11 +11,13 @@ import math
 from dataclasses import dataclass
 
 from ..._int_args import check_int
+from ...window import offset_band
 
 __all__ = ["BLOCK_KINDS", "MAX_AUTO_KV_CHUNKS", "MIN_AUTO_CHUNK_TOKENS", "RingStats", "block_kind", "kv_chunks_of",
            "resolve_kv_chunks"]
 
-#: "skip": causal and every key is in the future of every query (no work, no communication saved);
+#: "skip": every key is in the future of every query (causal) or outside every query's window (no work, no
+#: communication saved);
 #: "past" / "future": every offset is ``>= T`` / ``<= -T`` of a far-constant bias, so the block runs
 #: bias-free attention and adds the bias's constant at offset ``T`` / ``-T`` to its log-sum-exp;
 #: "bias": the block runs single-device attention with the bias (or without, when there is none).
@@ -23,7 +25,8 @@ BLOCK_KINDS = ("skip", "past", "future", "bias")
 
 
 def block_kind(
-    query_start: int, query_len: int, key_start: int, key_len: int, *, is_causal: bool, far_distance: int | None
+    query_start: int, query_len: int, key_start: int, key_len: int, *, is_causal: bool, far_distance: int | None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> str:
     """The kind (one of ``BLOCK_KINDS``: "skip", "past", "future" or "bias") of a block of ``query_len`` queries against ``key_len`` keys.
 
@@ -32,11 +35,16 @@ def block_kind(
         query_len, key_len: lengths (tokens), >= 1.
         is_causal: keys with offset < 0 are hidden.
         far_distance: T of a far-constant bias (``bias.far_constant_distance()``), or None.
+        window: None or a local-attention window ``(left, right)`` (:mod:`relbias.window`): a block wholly outside
+            its band is skipped, and one that it cuts runs with the bias (and the window).
     """
     min_offset = query_start - (key_start + key_len - 1)
     max_offset = query_start + query_len - 1 - key_start
-    if is_causal and max_offset < 0:
+    lo, hi = offset_band(window, is_causal)
+    if (lo is not None and max_offset < lo) or (hi is not None and min_offset > hi):
         return "skip"
+    if (lo is not None and min_offset < lo) or (hi is not None and max_offset > hi):
+        return "bias"  # some of its keys are hidden from some query: not bias-free attention over all of them
     if far_distance is not None:
         if min_offset >= far_distance:
             return "past"
@@ -123,7 +131,7 @@ class RingStats:
 
     Attributes:
         blocks: blocks considered.
-        skipped: causal blocks entirely in the future, not run.
+        skipped: blocks entirely in the future (causal) or outside the window, not run.
         bias_free: blocks entirely beyond a far-constant bias's distance, run bias-free plus a constant.
         biased: blocks run with the bias (or with no bias when there is none).
     """

@@ -73,7 +73,7 @@ def _local_attention(call: ContextParallelCall, query, key, value, mask) -> torc
     bias = slice_heads(settings.bias, call.rank * hp, (call.rank + 1) * hp)
     return attention(
         query, key, value, bias=bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
-        convention=settings.convention, query_start=0, key_start=0,
+        convention=settings.convention, query_start=0, key_start=0, window=settings.window,
     )
 
 
