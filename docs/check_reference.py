@@ -12,7 +12,7 @@ import sys
 
 MODULES = (
     "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.mpnet",
-    "relbias.integrations.alibi_decoders", "relbias.integrations.hidden_rows",
+    "relbias.integrations.alibi_decoders", "relbias.integrations.hidden_rows", "relbias.window",
 )
 
 
