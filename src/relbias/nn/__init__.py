@@ -4,6 +4,6 @@ by default), plus relative position biases and KV caches for incremental decodin
 byte-level LM lives in ``relbias.experiments.model``)."""
 
 from .attention import MultiheadAttention
-from .cache import KVCache, StaticKVCache
+from .cache import KeyBlock, KVCache, StaticKVCache
 
-__all__ = ["KVCache", "MultiheadAttention", "StaticKVCache"]
+__all__ = ["KVCache", "KeyBlock", "MultiheadAttention", "StaticKVCache"]
