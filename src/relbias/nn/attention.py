@@ -9,7 +9,8 @@ from .._attention_inputs import check_additive_mask
 from ..backends import BACKENDS
 from ..biases.base import CONVENTIONS, RelativeBias
 from ..functional import attention, attention_with_weights
-from .cache import KVCache, StaticKVCache, _check_query_position
+from ..window import check_window
+from .cache import KeyBlock, KVCache, StaticKVCache, _check_query_position
 from .torch_layer import from_torch_layer, join_names, translate_torch_state
 
 __all__ = ["MultiheadAttention"]
@@ -32,7 +33,7 @@ class MultiheadAttention(nn.Module):
     bias it computes what torch's module computes with the same weights: :meth:`from_torch` converts a
     trained torch layer, and ``load_state_dict`` also takes torch's state dict (``in_proj_weight`` is split into
     ``q_proj``/``k_proj``/``v_proj``). The relbias extras are keyword
-    arguments: ``position_bias``, ``cross_attention``, ``backend``, ``convention``, ``scale`` here and
+    arguments: ``position_bias``, ``cross_attention``, ``backend``, ``convention``, ``scale``, ``window`` here and
     ``cache``, ``cache_position`` in :meth:`forward`; ``process_group``, ``cp_layout``, ``cp_strategy``
     run it context-parallel on sequence shards (below).
 
@@ -70,6 +71,19 @@ class MultiheadAttention(nn.Module):
             runs "reference".
         convention: score convention ("seed", "additive", "t5"); default the bias module's own.
         scale: score scale; default that of the convention (``1/sqrt(head_dim)``, or 1 for "t5").
+        window: local (sliding-window) attention: None (default: every key), or a pair ``(left, right)`` of ints
+            >= 0 (tokens) or None (unbounded on that side). The query at absolute position ``i`` sees the keys
+            ``j`` with ``i - left <= j <= i + right`` (offsets ``-right <= i - j <= left``), in every call the layer
+            makes: self-attention (with or without a cache, ``need_weights=True`` and packed ``cu_seqlens`` too)
+            and cross-attention, where ``j`` is a memory position ``0 .. Lm - 1`` (unusual there: a monotonic,
+            streaming alignment of target position ``i`` to memory position ``i``). It is FlashAttention's
+            ``window_size=(left, right)`` with None for its -1 (:mod:`relbias.window`); with ``is_causal=True``,
+            ``(W - 1, 0)`` is the sliding window of W keys of Mistral (Jiang et al. 2023) and Longformer. With a
+            self-attention cache the layer tells the cache its ``left`` (:meth:`KVCache.update_window`): a
+            :class:`KVCache` keeps only the last ``left`` keys and a :class:`StaticKVCache` of capacity >= ``left``
+            (``left + 1`` = W recommended) becomes a rolling buffer, so decoding memory is O(W) at any length, and
+            token-by-token decoding with either equals the full windowed forward. A cross-attention cache keeps the
+            whole memory. Stored as ``self.window``, normalised to a tuple, or None when it bounds nothing.
         process_group: None (default: the layer sees whole sequences), a ``torch.distributed`` process
             group (``torch.distributed.group.WORLD`` for the default one) or a 1-D ``DeviceMesh`` (a named
             dimension of a larger mesh, ``mesh["cp"]``) over which sequences are sharded
@@ -101,10 +115,12 @@ class MultiheadAttention(nn.Module):
 
     Raises:
         ValueError: sizes < 1, ``embed_dim`` not divisible by ``num_heads``, an unknown backend or
-            convention, ``is_causal`` with cross-attention, a bias with heads neither 1 nor H.
+            convention, ``is_causal`` with cross-attention, a bias with heads neither 1 nor H, a negative ``window``
+            side, a ``window`` with a ``process_group`` (not supported yet).
         TypeError: a ``position_bias`` that is not a RelativeBias; a non-bool ``batch_first`` or
             ``cp_sync_bias_grads``; a ``process_group`` that is not a process group, a 1-D DeviceMesh or None
-            (a DeviceMesh of more than one dimension: ValueError).
+            (a DeviceMesh of more than one dimension: ValueError); a ``window`` that is not None or a pair, or a
+            side that is neither an int nor None.
 
     Example:
         >>> import torch, relbias
@@ -136,6 +152,7 @@ class MultiheadAttention(nn.Module):
         backend: str = "auto",
         convention: str | None = None,
         scale: float | None = None,
+        window: tuple[int | None, int | None] | None = None,
         process_group: object = None,
         cp_layout: str = "contiguous",
         cp_strategy: str = "ring",
@@ -172,6 +189,13 @@ class MultiheadAttention(nn.Module):
         if not isinstance(cp_sync_bias_grads, bool):
             raise TypeError(f"cp_sync_bias_grads must be a bool, got {cp_sync_bias_grads!r}")
         resolve_group(process_group, argument="process_group")  # the type and shape checks, at construction
+        window = check_window(window)
+        if window is not None and process_group is not None:
+            raise ValueError(
+                f"window with process_group is not supported yet (window={window}); build the layer without "
+                f"process_group, or call relbias.distributed.context_parallel_attention(..., window=) directly"
+            )
+        self.window = window
         self.process_group, self.cp_layout, self.cp_strategy = process_group, cp_layout, cp_strategy
         self.cp_sync_bias_grads = cp_sync_bias_grads
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
@@ -213,7 +237,7 @@ class MultiheadAttention(nn.Module):
             position_bias: a :class:`relbias.RelativeBias` with 1 or ``num_heads`` heads, or None (default: no
                 position bias, torch's scores).
             **kwargs: the constructor's other keyword arguments (``is_causal``, ``cross_attention``, ``backend``,
-                ``convention``, ``scale``, ``process_group``, ``cp_layout``, ``cp_strategy``,
+                ``convention``, ``scale``, ``window``, ``process_group``, ``cp_layout``, ``cp_strategy``,
                 ``cp_sync_bias_grads``) with the constructor's defaults, except ``convention``: default
                 "additive", torch's scaled scores ``(q·k) / sqrt(head_dim)`` with the bias added unscaled, so that
                 the trained weights keep their scores (a bias module's own convention, e.g. T5Bias's unscaled
@@ -292,8 +316,9 @@ class MultiheadAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attend from ``query`` to ``key``/``value``; torch.nn.MultiheadAttention's signature and return.
 
-        Shape legend: B batch, Lq query length, S key length (self-attention: cached plus new keys;
-        cross-attention: the memory's Lm), E embed_dim, H num_heads. Batched inputs are (B, L, F) with
+        Shape legend: B batch, Lq query length, S key length (self-attention: cached plus new keys, i.e.
+        ``cache_position + Lq``, or with a ``window`` the keys the cache holds plus the new ones; cross-attention:
+        the memory's Lm), E embed_dim, H num_heads. Batched inputs are (B, L, F) with
         ``batch_first=True`` and (L, B, F) otherwise; unbatched inputs are (L, F) (then masks drop B).
 
         Args:
@@ -305,13 +330,15 @@ class MultiheadAttention(nn.Module):
             value: vdim features, same length as ``key``; default ``key``.
             key_padding_mask: (B, S) (or (S,) unbatched); bool, **True marks a padding key to ignore**,
                 or float, added to the scores (as torch; a float mask of only 0s and 1s is refused: it would mask
-                nothing, so it is a 0/1 padding mask passed in the wrong dtype).
+                nothing, so it is a 0/1 padding mask passed in the wrong dtype). With a window and a cache that
+                dropped keys, S may also be ``cache_position + Lq`` (every position so far, as without a window):
+                the layer then reads its last columns, those of the keys held.
             need_weights: also return the attention weights (default True, as torch). They are
                 materialised by the reference backend, O(B·H·Lq·S) memory, and the output then comes
                 from that same pass; pass False for the configured (memory-lean) backend.
             attn_mask: (Lq, S) or (B·H, Lq, S); bool, **True = NOT allowed** (as torch), or float,
                 added to the scores (-inf to mask; only 0s and 1s is refused, as for key_padding_mask). With a
-                self-attention cache, S includes the cached keys.
+                self-attention cache, S includes the cached keys (with a window, as for key_padding_mask).
             average_attn_weights: weights averaged over heads (B, Lq, S) when True (default), per head
                 (B, H, Lq, S) otherwise. Only with ``need_weights``.
             is_causal: hide keys at positions after the query's (absolute positions, as below). Unlike
@@ -320,7 +347,10 @@ class MultiheadAttention(nn.Module):
                 applies in any case.
             cache: relbias extra, keyword only. Self-attention: a :class:`KVCache` or
                 :class:`StaticKVCache`; the new keys and values are written at ``cache_position`` and the
-                queries attend to positions ``0 .. cache_position + Lq - 1``. Cross-attention: a cache
+                queries attend to positions ``0 .. cache_position + Lq - 1``. With a ``window`` the layer calls
+                ``cache.update_window`` instead: the cache keeps only the keys the window reaches (a
+                :class:`StaticKVCache` rolls over its capacity) and the queries attend to the held keys at their
+                absolute positions (``cache.key_start`` is the first). Cross-attention: a cache
                 (of either class) filled from the memory on first use and reused afterwards; it
                 counts the decoded target tokens in ``cache.query_position``. A cache serves one layer.
             cache_position: relbias extra, keyword only: absolute position (tokens) of the first query
@@ -338,7 +368,8 @@ class MultiheadAttention(nn.Module):
             (Lq, E); weights None when ``need_weights`` is False, else (B, Lq, S) or (B, H, Lq, S) ((Lq, S)
             or (H, Lq, S) unbatched), in the query's dtype, each row summing to 1 -- or all zeros for a
             query with no visible key (torch gives NaN there; so does its output, where relbias gives
-            ``out_proj`` of zero).
+            ``out_proj`` of zero). With a window and a self-attention cache, the S columns are the keys attended
+            to, positions ``max(0, cache_position - left) .. cache_position + Lq - 1``.
 
         Raises:
             TypeError: a non-tensor input; a query, key or value that is not floating point, or (outside
@@ -348,7 +379,9 @@ class MultiheadAttention(nn.Module):
             ValueError: wrong ranks (key/value of another rank than query) or feature sizes; inputs on
                 another device than the layer's parameters; a self-attention key of another length than
                 the query; key and value of different lengths; missing memory for cross-attention; a
-                mask of the wrong shape; a bad cache position; a cache of the other kind; and every error
+                mask of the wrong shape; a bad cache position (with a window: one whose window reaches keys the
+                cache dropped, or a StaticKVCache smaller than the window's left side once it rolls); a cache of
+                the other kind; and every error
                 of :func:`relbias.attention` (e.g. offsets a per-offset bias cannot evaluate with
                 clipping off).
         """
@@ -374,30 +407,39 @@ class MultiheadAttention(nn.Module):
             start = 0 if cache_position is None else cache_position
         q = self._heads(self.q_proj(q_in))
         if self.cross_attention:
-            k, v = self._memory_kv(key, value, cache, batched)
+            blocks = [KeyBlock(0, *self._memory_kv(key, value, cache, batched))]
         else:
             k_in, v_in = self._self_key_value(query, key, value, q_len, batched)
             k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))
-            if cache is not None:
-                k, v = cache.update(k, v, start)
-            elif start != 0:
-                raise ValueError("cache_position without a cache: pass cache= to decode incrementally")
+            if cache is None:
+                if start != 0:
+                    raise ValueError("cache_position without a cache: pass cache= to decode incrementally")
+                blocks = [KeyBlock(0, k, v)]
+            elif self.window is None:
+                blocks = [KeyBlock(0, *cache.update(k, v, start))]
+            else:  # the cache keeps only the keys the window's left side reaches (O(W) memory)
+                blocks = cache.update_window(k, v, start, self.window[0])
         if not isinstance(is_causal, bool):
             raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-        mask = self._merge_masks(key_padding_mask, attn_mask, batch, q_len, k.shape[2], batched, q)
+        held = sum(block.key.shape[2] for block in blocks)  # S: the keys attended to, positions blocks[0].start on
+        # masks may cover every key position so far (start + Lq, as without a window) or only the keys held
+        every = held if self.cross_attention or cache is None else start + q_len
+        mask = self._merge_masks(key_padding_mask, attn_mask, batch, q_len, held, batched, q, every)
         call = dict(
-            bias=self.position_bias, mask=mask, is_causal=self.is_causal or is_causal, scale=self.scale,
-            convention=self.convention, query_start=start, key_start=0,
+            bias=self.position_bias, is_causal=self.is_causal or is_causal, scale=self.scale,
+            convention=self.convention, query_start=start, window=self.window,
         )
         weights = None
         if need_weights:
-            out, weights = attention_with_weights(q, k, v, **call)  # (B, H, Lq, D), (B, H, Lq, S)
-            if average_attn_weights:
+            k = blocks[0].key if len(blocks) == 1 else torch.cat([block.key for block in blocks], dim=2)
+            v = blocks[0].value if len(blocks) == 1 else torch.cat([block.value for block in blocks], dim=2)
+            out, weights = attention_with_weights(q, k, v, mask=mask, key_start=blocks[0].start, **call)
+            if average_attn_weights:  # (B, H, Lq, D), (B, H, Lq, S)
                 weights = weights.mean(dim=1)
             if not batched:
                 weights = weights.squeeze(0)
         else:
-            out = attention(q, k, v, backend=self.backend, **call)  # (B, H, Lq, D)
+            out = self._attend(q, blocks, mask, call)  # (B, H, Lq, D)
         if self.cross_attention and cache is not None:
             cache.advance(start, q_len)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.embed_dim))  # (B, Lq, E)
@@ -406,6 +448,31 @@ class MultiheadAttention(nn.Module):
         elif not self.batch_first:
             out = out.transpose(0, 1)
         return out, weights
+
+    def _attend(self, q: torch.Tensor, blocks: list[KeyBlock], mask: torch.Tensor | None, call: dict) -> torch.Tensor:
+        """:func:`relbias.attention` of ``q`` over the key runs ``blocks`` (consecutive positions, in order), each at
+        its own ``key_start``; ``mask`` (4-D, last dim the keys of every block, or None) is split along with them.
+
+        One run is one call. A rolling buffer whose window wraps around its end gives two runs (views, not
+        reordered): attending over each and merging by log-sum-exp is exact (one softmax over the union of
+        disjoint key sets) and costs one more call, where putting the keys in position order would copy the
+        window's keys and values at every step, as much memory traffic as the attention itself. (Under
+        torch.compile the buffer gathers one run instead: see ``StaticKVCache._views``.)"""
+        if len(blocks) == 1:
+            return attention(q, blocks[0].key, blocks[0].value, mask=mask, key_start=blocks[0].start,
+                             backend=self.backend, **call)
+        from ..distributed.merge import merge_partials
+
+        out = lse = None
+        at = 0
+        for block in blocks:
+            width = block.key.shape[2]
+            part_mask = None if mask is None else mask[..., at : at + width]  # (B|1, H|1, Lq, width)
+            part = attention(q, block.key, block.value, mask=part_mask, key_start=block.start, backend=self.backend,
+                             return_lse=True, **call)
+            out, lse = part if out is None else merge_partials(out, lse, *part)
+            at += width
+        return out
 
     def _forward_packed(self, query, key, value, kpm, need_weights, attn_mask, is_causal, cache, cache_position,
                         cu_seqlens):
@@ -430,7 +497,7 @@ class MultiheadAttention(nn.Module):
         k_in, v_in = self._self_key_value(query, key, value, q_len, batched)
         q, k, v = self._heads(self.q_proj(q_in)), self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))
         out = attention_varlen(q, k, v, cu_seqlens, bias=self.position_bias, is_causal=self.is_causal or is_causal,
-                               scale=self.scale, convention=self.convention, backend=self.backend)
+                               scale=self.scale, convention=self.convention, backend=self.backend, window=self.window)
         out = self.out_proj(out.transpose(1, 2).reshape(1, q_len, self.embed_dim))
         if not batched:
             out = out.squeeze(0)
@@ -602,12 +669,18 @@ class MultiheadAttention(nn.Module):
             message += f", or {join_names(['the layer', *right])} with .to({other})"
         raise TypeError(message + ", or run under torch.autocast")
 
-    def _merge_masks(self, kpm, attn_mask, batch: int, q_len: int, s_len: int, batched: bool, q: torch.Tensor):
+    def _merge_masks(self, kpm, attn_mask, batch: int, q_len: int, s_len: int, batched: bool, q: torch.Tensor,
+                     every: int | None = None):
         """torch's key_padding_mask and attn_mask -> one relbias mask broadcastable to (B, H, Lq, S).
 
         Both bool: True = may attend (the negation of torch's). Either float: additive, bool parts
-        become 0 / -inf.
+        become 0 / -inf. ``every``: the key positions so far (a windowed cache's ``start + Lq``, of which the last
+        ``s_len`` are held): a mask over all of them is cut to its last ``s_len`` columns.
         """
+        every = s_len if every is None else every
+        if every != s_len:
+            kpm, attn_mask = (m[..., every - s_len :] if isinstance(m, torch.Tensor) and m.dim() >= 1
+                              and m.shape[-1] == every else m for m in (kpm, attn_mask))
         parts = []
         if kpm is not None:
             if not isinstance(kpm, torch.Tensor) or not (kpm.dtype == torch.bool or kpm.is_floating_point()):
@@ -615,10 +688,12 @@ class MultiheadAttention(nn.Module):
                 raise TypeError(f"key_padding_mask must be a bool (True = padding) or float (additive) tensor, got {kind}")
             expected = (batch, s_len) if batched else (s_len,)
             if tuple(kpm.shape) != expected:
+                held = "" if every == s_len else f" (or key_len = {every}, every position so far)"
                 raise ValueError(
-                    f"key_padding_mask must be (batch, key_len) = {expected} (self-attention with a cache: cached "
-                    f"plus new keys), got {tuple(kpm.shape)}" if batched else
-                    f"key_padding_mask of an unbatched call must be (key_len,) = {expected}, got {tuple(kpm.shape)}"
+                    f"key_padding_mask must be (batch, key_len) = {expected}{held} (self-attention with a cache: "
+                    f"cached plus new keys), got {tuple(kpm.shape)}" if batched else
+                    f"key_padding_mask of an unbatched call must be (key_len,) = {expected}{held}, got "
+                    f"{tuple(kpm.shape)}"
                 )
             if kpm.device != q.device:
                 raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {q.device}")
@@ -639,9 +714,10 @@ class MultiheadAttention(nn.Module):
             elif tuple(attn_mask.shape) == per_head:
                 parts.append(attn_mask.reshape(batch, self.num_heads, q_len, s_len))
             else:
+                held = "" if every == s_len else f" (or key_len = {every}, every position so far)"
                 raise ValueError(
                     f"attn_mask must be (query_len, key_len) = {(q_len, s_len)} or (batch * num_heads, query_len, "
-                    f"key_len) = {per_head}, got {tuple(attn_mask.shape)}"
+                    f"key_len) = {per_head}{held}, got {tuple(attn_mask.shape)}"
                 )
         if not parts:
             return None
@@ -662,5 +738,6 @@ class MultiheadAttention(nn.Module):
         return (
             f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, is_causal={self.is_causal}, "
             f"cross_attention={self.cross_attention}, batch_first={self.batch_first}, backend={self.backend!r}"
+            + ("" if self.window is None else f", window={self.window}")
             + ("" if self.process_group is None else f", cp_layout={self.cp_layout!r}, cp_strategy={self.cp_strategy!r}")
         )
