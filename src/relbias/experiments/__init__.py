@@ -5,7 +5,8 @@ The library never prints; progress goes through a ``progress`` hook (``tqdm.tqdm
 """
 
 from .data import Corpus, load_corpus, sample_batch, split_corpus
-from .evaluate import check_reachable, check_windows, evaluate_lengths, scored_bytes, window_plan
+from .evaluate import (attention_window, check_reachable, check_windows, evaluate_lengths, evaluate_whole_text,
+                       scored_bytes, training_window, window_plan)
 from .model import VOCAB_SIZE, ByteLM, ByteLMConfig
 from .positional import RotaryByteLM, SinusoidalByteLM
 from .intervals import mean_interval, t_quantile
@@ -21,10 +22,12 @@ __all__ = [
     "RotaryByteLM",
     "SinusoidalByteLM",
     "TrainConfig",
+    "attention_window",
     "check_reachable",
     "check_windows",
     "default_scheme_options",
     "evaluate_lengths",
+    "evaluate_whole_text",
     "known_schemes",
     "load_corpus",
     "mean_interval",
@@ -34,5 +37,6 @@ __all__ = [
     "split_corpus",
     "t_quantile",
     "train_model",
+    "training_window",
     "window_plan",
 ]

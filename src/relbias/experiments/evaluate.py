@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 
+from ..window import check_window
 from .model import ByteLM
 from .train import Progress, no_progress
 
-__all__ = ["EVAL_MODES", "MIN_WINDOWS", "evaluate_lengths", "check_reachable", "scored_bytes", "check_windows",
-           "window_plan"]
+__all__ = ["EVAL_MODES", "MIN_WINDOWS", "WHOLE_TEXT_TOKENS", "evaluate_lengths", "evaluate_whole_text",
+           "attention_window", "training_window", "check_reachable", "scored_bytes", "check_windows", "window_plan"]
 
 #: Evaluation modes of Press et al. 2022 (ALiBi), §4 and Appendix B.
 EVAL_MODES = ("nonoverlapping", "sliding")
@@ -19,6 +22,46 @@ EVAL_MODES = ("nonoverlapping", "sliding")
 #: Fewest non-overlapping windows of held-out text an evaluation length must fill: each length's score then
 #: averages at least this many separate passages, not the reading of one or two.
 MIN_WINDOWS = 8
+
+#: Most scored bytes per forward of :func:`evaluate_whole_text`: the default corpus's 45,056 go in one.
+WHOLE_TEXT_TOKENS = 1 << 16
+
+
+def training_window(train_len: int) -> tuple[int, int]:
+    """``(train_len - 1, 0)``: with the causal rule, each query sees itself and at most ``train_len - 1`` earlier
+    keys, so every attention row spans the offsets 0 .. L - 1 that training at length L saw, whatever the length of
+    the text (:mod:`relbias.window`)."""
+    if isinstance(train_len, bool) or not isinstance(train_len, int) or train_len < 1:
+        raise ValueError(f"train_len must be an int >= 1, got {train_len!r}")
+    return (train_len - 1, 0)
+
+
+@contextlib.contextmanager
+def attention_window(model: ByteLM, window: tuple[int | None, int | None] | None) -> Iterator[None]:
+    """Inside the block, every attention layer of ``model`` runs with ``window`` (its ``window`` attribute, as
+    :class:`relbias.nn.MultiheadAttention` keeps it); the layers' own windows come back afterwards, also on error.
+
+    Args:
+        model: a :class:`ByteLM` (or a baseline of :mod:`relbias.experiments.positional`).
+        window: ``(left, right)`` as :func:`relbias.attention` takes it, or None for no window.
+
+    Raises:
+        TypeError: an invalid ``window`` (:func:`relbias.window.check_window`); an attention layer without a
+            ``window`` attribute.
+    """
+    window = check_window(window)
+    layers = [block.attn for block in model.blocks]
+    missing = sorted({type(layer).__name__ for layer in layers if not hasattr(layer, "window")})
+    if missing:
+        raise TypeError(f"attention layer(s) {missing} take no window (no 'window' attribute)")
+    before = [layer.window for layer in layers]
+    try:
+        for layer in layers:
+            layer.window = window
+        yield
+    finally:
+        for layer, old in zip(layers, before):
+            layer.window = old
 
 
 def check_reachable(model: ByteLM, length: int) -> None:
@@ -137,6 +180,7 @@ def evaluate_lengths(
     batch_tokens: int = 8192,
     mode: str = "nonoverlapping",
     stride: int | None = None,
+    window: tuple[int | None, int | None] | None = None,
     progress: Progress = no_progress,
 ) -> dict[int, dict[str, float]]:
     """Mean next-byte loss on windows of each length, over the same bytes for every length.
@@ -158,6 +202,11 @@ def evaluate_lengths(
         mode: "nonoverlapping" (default) or "sliding" (:data:`EVAL_MODES`).
         stride: with "sliding", S in [1, min(lengths)] tokens; sliding costs about n / S times as much as
             non-overlapping at length n.
+        window: None (default: full causal attention inside each window), or ``(left, right)`` for every
+            attention layer (:func:`attention_window`): ``training_window(L)`` = (L - 1, 0) lets each byte's
+            query see itself and at most L - 1 earlier bytes of its window, as in training, at every length. The
+            windows of bytes are the same either way; a fused backend skips the keys outside the attention window,
+            so a length n costs O(n·L) instead of O(n²).
         progress: progress hook, e.g. ``tqdm.tqdm``.
 
     Returns:
@@ -168,9 +217,15 @@ def evaluate_lengths(
         ValueError: an empty or invalid ``lengths``; fewer validation bytes than ``lcm(lengths) + 1``; an
             unknown mode or a stride outside [1, n] (:func:`window_plan`);
             errors of the model (see :func:`check_reachable`).
+        TypeError: an invalid ``window`` (:func:`attention_window`).
     """
     usable = scored_bytes(len(val_tokens), lengths)
     plans = {n: window_plan(usable, n, mode, stride) for n in lengths}  # every mode and stride error before work
+    with attention_window(model, window):
+        return _evaluate_plans(model, val_tokens, lengths, plans, usable, batch_tokens, progress)
+
+
+def _evaluate_plans(model, val_tokens, lengths, plans, usable, batch_tokens, progress) -> dict[int, dict[str, float]]:
     model.eval()
     tokens = val_tokens[: usable + 1].long()
     results: dict[int, dict[str, float]] = {}
@@ -190,3 +245,65 @@ def evaluate_lengths(
         results[n] = {"nll": nll, "bpb": nll / math.log(2), "ppl": math.exp(nll), "tokens": usable,
                       "windows": len(plans[n])}
     return results
+
+
+@torch.no_grad()
+def evaluate_whole_text(
+    model: ByteLM,
+    val_tokens: torch.Tensor,
+    lengths: list[int],
+    window: tuple[int, int],
+    *,
+    max_tokens: int = WHOLE_TEXT_TOKENS,
+    progress: Progress = no_progress,
+) -> dict[str, float]:
+    """Mean next-byte loss of the scored held-out bytes read in one forward, every attention layer windowed.
+
+    Scores the same ``U`` target bytes as :func:`evaluate_lengths` (:func:`scored_bytes` of ``lengths``) from
+    one sequence of the ``U`` input bytes before them, with ``window = (left, 0)`` on every layer. With
+    ``training_window(L)`` each query sees itself and the L - 1 bytes before it (fewer only among the first
+    L - 1 bytes of the text), so every byte from the L-th on is scored with a full attention window of L bytes
+    at every layer: sliding evaluation with stride 1, at the cost of one pass. Through the layers a prediction
+    can still draw on up to ``num_layers · left`` earlier bytes, as in any stack of windowed layers.
+
+    A text longer than ``max_tokens`` is read in consecutive pieces of at most ``max_tokens`` scored bytes,
+    each preceded by the ``num_layers · left`` bytes its predictions can reach (all of them from the text), so
+    that a scheme that reads only offsets scores every byte as in one forward; positions restart at each piece,
+    which changes the numbers of the schemes that read absolute positions (FIRE's normaliser, the sinusoidal
+    baseline).
+
+    Args:
+        model: the model (run in eval mode, without gradients).
+        val_tokens: uint8 (N,) held-out bytes, N >= lcm(lengths) + 1.
+        lengths: the evaluation lengths, which fix the scored bytes.
+        window: ``(left, 0)``, ``left`` an int >= 0 (the causal rule bounds the right side).
+        max_tokens: most scored bytes per forward, an int >= 1. Default :data:`WHOLE_TEXT_TOKENS` (65,536).
+        progress: progress hook, e.g. ``tqdm.tqdm``.
+
+    Returns:
+        ``{"nll", "bpb", "ppl", "tokens": scored bytes, "windows": forwards}``.
+
+    Raises:
+        ValueError: an invalid ``lengths`` or too little held-out text (:func:`scored_bytes`); a window with
+            an unbounded left side or a right side other than 0; ``max_tokens`` < 1.
+        TypeError: an invalid ``window`` (:func:`attention_window`).
+    """
+    usable = scored_bytes(len(val_tokens), lengths)
+    checked = check_window(window)
+    if checked is None or checked[0] is None or checked[1] not in (0, None):
+        raise ValueError(f"whole-text evaluation needs a causal window (left, 0) with left an int >= 0, got {window!r}")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise ValueError(f"max_tokens must be an int >= 1, got {max_tokens!r}")
+    reach = len(model.blocks) * checked[0]  # bytes before a query that its output can depend on
+    tokens = val_tokens[: usable + 1].long()
+    model.eval()
+    pieces = list(range(0, usable, max_tokens))
+    total = 0.0
+    with attention_window(model, (checked[0], 0)):
+        for begin in progress(pieces, desc="whole text", total=len(pieces)):
+            end = min(begin + max_tokens, usable)
+            context = min(begin, reach)
+            logits = model(tokens[None, begin - context : end])[:, context:]  # (1, end - begin, 256)
+            total += F.cross_entropy(logits[0], tokens[begin + 1 : end + 1], reduction="sum").item()
+    nll = total / usable
+    return {"nll": nll, "bpb": nll / math.log(2), "ppl": math.exp(nll), "tokens": usable, "windows": len(pieces)}

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..functional import attention
 from .model import ByteLM, ByteLMConfig
 
 __all__ = ["BASELINES", "sinusoidal_positions", "rotary_angles", "apply_rotary", "SinusoidalByteLM",
@@ -106,12 +107,18 @@ class _ScaledSinusoidalEmbedding(nn.Embedding):
 
 
 class _RotaryAttention(nn.Module):
-    """Causal self-attention with rotary queries and keys, reusing a MultiheadAttention's four projections."""
+    """Causal self-attention with rotary queries and keys, reusing a MultiheadAttention's four projections.
+
+    ``window`` (None, or ``(left, right)`` as :func:`relbias.attention` takes it) limits the keys each query sees;
+    a windowed call runs :func:`relbias.attention` without a bias (the same scores as SDPA's) on the layer's
+    backend, an unwindowed one ``scaled_dot_product_attention``."""
 
     def __init__(self, base: nn.Module) -> None:
         super().__init__()
         self.num_heads, self.head_dim = base.num_heads, base.head_dim
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = base.q_proj, base.k_proj, base.v_proj, base.out_proj
+        self.backend = base.backend
+        self.window = None
 
     def forward(self, query: torch.Tensor, key=None, value=None, **_: object) -> tuple[torch.Tensor, None]:
         b, n, e = query.shape
@@ -120,7 +127,11 @@ class _RotaryAttention(nn.Module):
             return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, L, D)
 
         q, k = apply_rotary(heads(self.q_proj(query))), apply_rotary(heads(self.k_proj(query)))
-        out = F.scaled_dot_product_attention(q, k, heads(self.v_proj(query)), is_causal=True)  # (B, H, L, D)
+        if self.window is None:
+            out = F.scaled_dot_product_attention(q, k, heads(self.v_proj(query)), is_causal=True)  # (B, H, L, D)
+        else:
+            out = attention(q, k, heads(self.v_proj(query)), is_causal=True, window=self.window,
+                            backend=self.backend)  # (B, H, L, D)
         return self.out_proj(out.transpose(1, 2).reshape(b, n, e)), None
 
 
@@ -159,7 +170,8 @@ class RotaryByteLM(_WindowOnly, ByteLM):
     """:class:`ByteLM` without a bias whose every layer rotates queries and keys (RoFormer, Su et al. 2021, §3.4).
 
     Same parameters (and, under one seed, the same initial values) as ``ByteLM(position="none")``; attention runs
-    ``torch.nn.functional.scaled_dot_product_attention`` with the causal mask.
+    ``torch.nn.functional.scaled_dot_product_attention`` with the causal mask (:func:`relbias.attention` when a
+    window is set on a layer, as :func:`~relbias.experiments.evaluate.attention_window` does).
 
     Args:
         config: a :class:`ByteLMConfig`; its ``position`` is replaced by "none"; the head width E / H must be even.
