@@ -37,8 +37,36 @@ def test_every_registered_family_end_to_end(corpus, tmp_path, capsys):
         assert f"\n{scheme} " in printed
     import matplotlib.image
 
-    assert matplotlib.image.imread(out / "results.png").shape[:2] == (420, 760)
+    assert matplotlib.image.imread(out / "results.png").shape[:2] == (420, 1200)  # full and windowed panels
     assert "## Bits per byte" in (out / "results.md").read_text()
+    assert results["config"]["eval_window"] == [7, 0] and "window=(7, 0)" in printed
+    for scheme in FAMILIES:  # full attention and the window side by side, in the table and in each model's line
+        assert f"\n{scheme} " in printed and "| window " in printed
+        assert results["schemes"][scheme]["summary_windowed"]["whole_text"]["bpb"]["mean"] > 0
+
+
+def test_no_windowed_eval_runs_full_attention_only(corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["extrapolate", "--corpus", str(corpus), "--out", str(out), "--schemes", "offset",
+                 "--no-windowed-eval", *TINY]) == 0
+    printed = capsys.readouterr().out
+    results = json.loads((out / "results.json").read_text())
+    assert "eval_window" not in results["config"] and "eval_windowed" not in results["schemes"]["offset"]["runs"]["0"]
+    assert "window=(" not in printed and " window " not in printed and "whole text" not in printed
+    import matplotlib.image
+
+    assert matplotlib.image.imread(out / "results.png").shape[:2] == (420, 760)
+
+
+def test_the_windowed_evaluation_flag_is_documented():
+    import argparse
+
+    from relbias.cli.extrapolate import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    help_text = " ".join(parser._subparsers._group_actions[0].choices["extrapolate"].format_help().split())
+    assert "--windowed-eval, --no-windowed-eval" in help_text and "window=(L-1, 0)" in help_text
 
 
 def test_seeds_and_baselines_end_to_end_with_intervals(corpus, tmp_path, capsys):

@@ -61,7 +61,8 @@ def test_seeds_change_the_numbers_and_one_seed_reproduces_them_bit_for_bit(tmp_p
             assert first["schemes"][scheme]["summary"][n]["bpb"] == expected
             assert expected["half_width"] > 0
     table = (tmp_path / "a" / "results.md").read_text()
-    assert "| rotary | 2 | " in table and " ± " in table and "Student-t" in table
+    assert "| rotary | full | 2 | " in table and "| rotary | window | 2 | " in table
+    assert " ± " in table and "Student-t" in table
 
 
 def test_resume_runs_only_the_missing_scheme_and_seed_pairs(tmp_path):
@@ -112,3 +113,42 @@ def test_default_options_make_every_t5_bucket_trainable():
     config = _config(train_len=64, scheme_options={"t5": {"num_buckets": 16}})
     assert config.options_for("t5") == {"max_distance": 64, "num_buckets": 16}
     assert config.options_for("offset") == {"out_of_range": "clip"}
+
+
+def test_windowed_scores_are_written_beside_full_attention_and_resumed(tmp_path):
+    full = run_extrapolation(_config(), ["offset", "alibi"], CORPUS, tmp_path, seeds=[0, 1])
+    assert full["config"]["eval_window"] == [7, 0]  # (L - 1, 0) for L = 8
+    for scheme in ("offset", "alibi"):
+        block = full["schemes"][scheme]
+        for run in block["runs"].values():
+            assert sorted(run["eval_windowed"]) == ["16", "32", "8", "whole_text"]
+            assert run["eval_windowed"]["whole_text"]["tokens"] == run["eval_tokens"]
+            assert run["windowed_seconds"] > 0
+        runs = list(block["runs"].values())
+        for n in ("8", "32", "whole_text"):
+            values = [r["eval_windowed"][n]["bpb"] for r in runs]
+            assert block["summary_windowed"][n]["bpb"] == mean_interval(values)
+    table = (tmp_path / "results.md").read_text()
+    assert "| scheme | attention | seeds | 8 (L) | 16 (2L) | 32 (4L) | whole text |" in table
+    assert "| offset | full | 2 | " in table and "| offset | window | 2 | " in table and "window=(7, 0)" in table
+    assert "| window eval s |" in table
+
+    stored = json.loads((tmp_path / "results.json").read_text())
+    del stored["schemes"]["alibi"]["runs"]["1"]
+    (tmp_path / "results.json").write_text(json.dumps(stored))
+    resumed = run_extrapolation(_config(), ["offset", "alibi"], CORPUS, tmp_path, seeds=[0, 1], resume=True)
+    assert resumed["schemes"]["offset"] == full["schemes"]["offset"]  # kept, windowed scores included
+    again, before = resumed["schemes"]["alibi"]["runs"]["1"], full["schemes"]["alibi"]["runs"]["1"]
+    assert again["eval_windowed"] == before["eval_windowed"]  # recomputed: the same numbers
+
+
+def test_without_the_windowed_evaluation_the_results_are_as_before_and_do_not_resume_a_windowed_run(tmp_path):
+    plain = run_extrapolation(_config(windowed_eval=False), ["none"], CORPUS, tmp_path)
+    assert "eval_window" not in plain["config"] and "windowed_eval" not in plain["config"]
+    run = plain["schemes"]["none"]["runs"]["0"]
+    assert "eval_windowed" not in run and "summary_windowed" not in plain["schemes"]["none"]
+    assert "| attention |" not in (tmp_path / "results.md").read_text()
+    with pytest.raises(ValueError, match=r"eval_window: None there, \[7, 0\] now.*without the windowed evaluation"):
+        run_extrapolation(_config(), ["none"], CORPUS, tmp_path, resume=True)
+    with pytest.raises(ValueError, match="windowed_eval must be a bool"):
+        run_extrapolation(_config(windowed_eval="yes"), ["none"], CORPUS, tmp_path / "other")

@@ -61,7 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="train a tiny byte-level LM per position scheme at length L; evaluate at L, 2L, 4L, 8L",
         description="Train one small byte-level decoder LM per position scheme (and per seed) on a corpus at "
         "training length L, then report bits per byte and perplexity on held-out text at longer lengths, as the "
-        "mean across seeds with a 95%% Student-t interval. Writes results.json, results.md and results.png into "
+        "mean across seeds with a 95%% Student-t interval, with full attention and (by default) with attention "
+        "limited to L (--windowed-eval) side by side. Writes results.json, results.md and results.png into "
         "--out after each model.",
     )
     p.add_argument("--schemes", type=lambda s: [x.strip() for x in s.split(",") if x.strip()],
@@ -84,6 +85,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stride", type=int,
                    help="sliding stride S in bytes, 1 <= S <= the shortest evaluation length (default L); "
                         "sliding costs about n/S times non-overlapping at length n")
+    p.add_argument("--windowed-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="beside full attention, evaluate every model with attention limited to the training length "
+                        "at every evaluation length: each layer's window=(L-1, 0), each byte seeing itself and at "
+                        "most L-1 earlier bytes, as in training; and once over the whole scored text in one windowed "
+                        "forward (every byte after the first L-1 with a full window of L bytes at every layer, at "
+                        "the cost of one pass). "
+                        "Linear in the length with the fused kernels: a few seconds per model (default: on)")
     p.add_argument("--min-windows", type=int, default=8,
                    help="refuse an evaluation length the held-out text fills with fewer windows (default %(default)s)")
     p.add_argument("--steps", type=int, help=f"training steps (default {DEFAULTS['steps']})")
@@ -157,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments import ExtrapolationConfig, TrainConfig, load_corpus, run_extrapolation
     from ..experiments.extrapolate import known_schemes
     from ..experiments.positional import BASELINES
-    from ..experiments.report import INTERVAL_NOTE, format_table
+    from ..experiments.report import INTERVAL_NOTE, WHOLE_TEXT, format_table, window_note, windowed
 
     preset = QUICK if args.quick else DEFAULTS
     steps = args.steps if args.steps is not None else preset["steps"]
@@ -208,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
             train=TrainConfig(steps=steps, batch_size=batch_size, lr=args.lr, seed=seed_list[0]),
             val_fraction=args.val_fraction, max_eval_bytes=max_eval_bytes, scheme_options=scheme_options,
             convention=args.convention, backend=args.backend, eval_mode=args.eval_mode, stride=args.stride,
-            min_windows=args.min_windows,
+            min_windows=args.min_windows, windowed_eval=args.windowed_eval,
         )
     except TypeError as exc:  # pragma: no cover - argparse types guard this
         raise ValueError(str(exc)) from exc
@@ -217,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
     header = (
         f"relbias extrapolate: corpus {corpus.name} ({len(corpus)} bytes), schemes {', '.join(schemes)}; "
         f"seeds {','.join(map(str, seed_list))}; L = {args.train_len}, evaluated at {', '.join(map(str, eval_lengths))} "
-        f"({config.eval_mode}{f', stride {config.eval_stride()}' if config.eval_stride() else ''}); {steps} steps x "
+        f"({config.eval_mode}{f', stride {config.eval_stride()}' if config.eval_stride() else ''}"
+        f"{f'; full attention and window={config.eval_window()}' if config.windowed_eval else ''}); {steps} steps x "
         f"{batch_size} windows; {threads} torch thread(s); output {args.out}"
     )
     announced = False
@@ -240,6 +249,12 @@ def run(args: argparse.Namespace) -> int:
         cells = ", ".join(f"{n}: {entry['eval'][str(n)]['bpb']:.3f}" for n in eval_lengths)
         how = "from results.json" if entry.get("resumed") else (
             f"train {entry['train_seconds']:.0f} s, eval {entry['eval_seconds']:.0f} s")
+        if "eval_windowed" in entry:
+            scores = entry["eval_windowed"]
+            cells += " | window " + ", ".join(f"{n}: {scores[str(n)]['bpb']:.3f}" for n in eval_lengths)
+            cells += f", whole text: {scores[WHOLE_TEXT]['bpb']:.3f}"
+            if not entry.get("resumed"):
+                how += f", window eval {entry['windowed_seconds']:.0f} s"
         write(f"{scheme:>12} seed {entry['seed']}  bits per byte {cells}  ({how})")
         sys.stdout.flush()
 
@@ -265,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     bpb, ppl = format_table(results, metric="bpb"), format_table(results, metric="ppl")
     tokens = next(iter(results["schemes"][schemes[0]]["runs"].values()))["eval_tokens"]
     print(f"\nBits per byte on {tokens} held-out bytes (lower is better); trained at L = {args.train_len}; "
-          f"{INTERVAL_NOTE}:")
+          f"{INTERVAL_NOTE}{f'; {window_note(results)}' if windowed(results) else ''}:")
     _print_table(bpb)
     print("\nPerplexity per byte:")
     _print_table(ppl)

@@ -14,9 +14,10 @@ from ..biases.registry import FAMILIES
 from ..buckets import validate_t5_buckets
 from .model import ByteLM, ByteLMConfig
 from .data import Corpus, split_corpus
-from .evaluate import EVAL_MODES, MIN_WINDOWS, check_reachable, check_windows, evaluate_lengths, scored_bytes
+from .evaluate import (EVAL_MODES, MIN_WINDOWS, WHOLE_TEXT_TOKENS, check_reachable, check_windows, evaluate_lengths,
+                       evaluate_whole_text, scored_bytes, training_window)
 from .positional import BASELINES, make_baseline
-from .report import load_results, require_matplotlib, save_results, summarize
+from .report import WHOLE_TEXT, load_results, require_matplotlib, save_results, summarize
 from .train import Progress, TrainConfig, no_progress, train_model
 
 __all__ = ["ExtrapolationConfig", "default_scheme_options", "known_schemes", "build_model", "run_extrapolation"]
@@ -70,6 +71,12 @@ class ExtrapolationConfig:
             means ``train_len``. Ignored (recorded as None) for "nonoverlapping".
         min_windows: fewest non-overlapping windows the scored held-out bytes must give at every evaluation
             length (:func:`~relbias.experiments.evaluate.check_windows`). Default 8.
+        windowed_eval: also evaluate every model with attention limited to the training length, beside full
+            attention (default True): every attention layer runs with ``window = (L - 1, 0)``, each byte's query
+            seeing itself and at most L - 1 earlier bytes, at every evaluation length (the same windows of bytes
+            as full attention) and once over the whole scored text in one forward
+            (:func:`~relbias.experiments.evaluate.evaluate_whole_text`). Costs O(n·L) per length n with a fused
+            backend, a few seconds per model at the default lengths.
         scheme_options: family name -> options for its factory; merged over
             :func:`default_scheme_options` (an entry replaces that family's defaults key by key).
         convention: score convention for every scheme; None uses each family's own.
@@ -90,12 +97,17 @@ class ExtrapolationConfig:
     eval_mode: str = "nonoverlapping"
     stride: int | None = None
     min_windows: int = MIN_WINDOWS
+    windowed_eval: bool = True
 
     def eval_stride(self) -> int | None:
         """The sliding stride in effect: ``stride`` or ``train_len``; None for non-overlapping evaluation."""
         if self.eval_mode != "sliding":
             return None
         return self.train_len if self.stride is None else self.stride
+
+    def eval_window(self) -> tuple[int, int] | None:
+        """The attention window of the windowed evaluation, ``(train_len - 1, 0)``; None without it."""
+        return training_window(self.train_len) if self.windowed_eval else None
 
     def options_for(self, scheme: str) -> dict:
         """Factory options of ``scheme``: the defaults, updated with ``scheme_options[scheme]`` (none for a
@@ -122,6 +134,9 @@ class ExtrapolationConfig:
         record.update(asdict(self.train))
         record.pop("seed")  # the seeds are the run's set, like the schemes: results["seeds"]
         record["stride"] = self.eval_stride()
+        record.pop("windowed_eval")  # a file made before the windowed evaluation resumes as one made without it
+        if self.windowed_eval:
+            record["eval_window"] = list(self.eval_window())
         record["eval_lengths"] = list(self.eval_lengths)
         record["corpus"], record["corpus_bytes"], record["corpus_sha256"] = corpus.name, len(corpus), corpus.sha256
         return record
@@ -156,6 +171,8 @@ def _check(config: ExtrapolationConfig, schemes: list[str], corpus: Corpus, trai
         )
     if len(set(schemes)) != len(schemes):
         raise ValueError(f"schemes must not repeat, got {schemes}")
+    if not isinstance(config.windowed_eval, bool):
+        raise ValueError(f"windowed_eval must be a bool, got {config.windowed_eval!r}")
     if config.eval_mode not in EVAL_MODES:
         raise ValueError(f"unknown evaluation mode {config.eval_mode!r}; expected one of {EVAL_MODES}")
     stride = config.eval_stride()
@@ -215,6 +232,9 @@ def run_extrapolation(
         {scheme: {"runs": {str(seed): {"seed", "eval": {str(n): {"nll", "bpb", "ppl", "tokens", "windows"}},
         "eval_tokens", "parameters", "train_seconds", "eval_seconds", "final_train_loss", "position_options"}},
         "summary": {str(n): {metric: mean_interval}}}}}`` (:func:`~relbias.experiments.report.summarize`).
+        With ``config.windowed_eval``, ``config["eval_window"]`` is ``[L - 1, 0]``, each run also has
+        ``"eval_windowed"`` (``"eval"``'s entries under the window, plus ``"whole_text"``: the scored bytes in
+        one windowed forward) and ``"windowed_seconds"``, and each scheme ``"summary_windowed"``.
 
     Raises:
         ValueError: an unknown or repeated scheme or seed; a training length not shorter than the training
@@ -264,16 +284,21 @@ def run_extrapolation(
             trained = time.perf_counter()
             scores = evaluate_lengths(model, val_tokens, lengths, mode=config.eval_mode, stride=config.eval_stride(),
                                       progress=_labelled(progress, scheme, seed))
+            evaluated = time.perf_counter()
+            windowed = _evaluate_windowed(config, model, val_tokens, _labelled(progress, scheme, seed))
             entry = {
                 "seed": seed,
                 "eval": {str(n): v for n, v in scores.items()},
                 "eval_tokens": next(iter(scores.values()))["tokens"],
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "train_seconds": trained - start,
-                "eval_seconds": time.perf_counter() - trained,
+                "eval_seconds": evaluated - trained,
                 "final_train_loss": sum(losses[-20:]) / len(losses[-20:]),
                 "position_options": config.options_for(scheme),
             }
+            if windowed is not None:
+                entry["eval_windowed"] = windowed
+                entry["windowed_seconds"] = time.perf_counter() - evaluated
             runs[str(seed)] = entry
             _summarize_all(results)
             save_results(out_dir, results)
@@ -284,10 +309,28 @@ def run_extrapolation(
     return results
 
 
+def _evaluate_windowed(config: ExtrapolationConfig, model: ByteLM, val_tokens: torch.Tensor,
+                       progress: Progress) -> dict | None:
+    """The windowed scores of one model: ``{str(n): scores, "whole_text": scores}``, or None without them."""
+    window = config.eval_window()
+    if window is None:
+        return None
+    lengths = list(config.eval_lengths)
+    scores = evaluate_lengths(model, val_tokens, lengths, mode=config.eval_mode, stride=config.eval_stride(),
+                              window=window, progress=progress)
+    # The reference backend materialises every score of a forward: keep its pieces small.
+    max_tokens = 4096 if config.backend == "reference" else WHOLE_TEXT_TOKENS
+    whole = evaluate_whole_text(model, val_tokens, lengths, window, max_tokens=max_tokens, progress=progress)
+    return {**{str(n): v for n, v in scores.items()}, WHOLE_TEXT: whole}
+
+
 def _summarize_all(results: dict) -> None:
+    lengths = results["config"]["eval_lengths"]
     for scheme, block in results["schemes"].items():
         runs = [block["runs"][str(s)] for s in results["seeds"] if str(s) in block["runs"]]
-        block["summary"] = summarize(runs, results["config"]["eval_lengths"]) if runs else {}
+        block["summary"] = summarize(runs, lengths) if runs else {}
+        if results["config"].get("eval_window") is not None:
+            block["summary_windowed"] = summarize(runs, [*lengths, WHOLE_TEXT], field="eval_windowed") if runs else {}
 
 
 def _labelled(progress: Progress, scheme: str, seed: int) -> Progress:
@@ -301,7 +344,10 @@ def _check_same_config(previous: dict, current: dict, out_dir: Path) -> None:
     differing = sorted(k for k in previous.keys() | current.keys() if previous.get(k) != current.get(k))
     if differing:
         details = ", ".join(f"{k}: {previous.get(k)!r} there, {current.get(k)!r} now" for k in differing)
+        hint = ""
+        if differing == ["eval_window"] and previous.get("eval_window") is None:
+            hint = ", or resume it without the windowed evaluation (windowed_eval=False, --no-windowed-eval)"
         raise ValueError(
             f"cannot resume: {out_dir / 'results.json'} was made with a different setup ({details}); "
-            f"use another --out or run without --resume to start over"
+            f"use another --out or run without --resume to start over{hint}"
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 from .intervals import mean_interval
 
 __all__ = ["write_atomic", "load_results", "summarize", "format_table", "markdown_report", "plot_results",
-           "save_results", "require_matplotlib", "INTERVAL_NOTE"]
+           "save_results", "require_matplotlib", "windowed", "window_note", "INTERVAL_NOTE", "WHOLE_TEXT"]
 
 #: How the tables' intervals are computed, printed under them.
 INTERVAL_NOTE = (
@@ -20,6 +20,9 @@ INTERVAL_NOTE = (
 )
 
 RESULTS_JSON, RESULTS_MD, RESULTS_PNG = "results.json", "results.md", "results.png"
+
+#: Key of the windowed score of the whole scored text in one forward, beside the evaluation lengths.
+WHOLE_TEXT = "whole_text"
 
 
 def write_atomic(path: str | Path, data: bytes | str) -> None:
@@ -65,20 +68,36 @@ def _lengths(results: dict) -> list[int]:
     return list(results["config"]["eval_lengths"])
 
 
-def summarize(runs: list[dict], lengths: list[int]) -> dict:
+def summarize(runs: list[dict], lengths: list[int | str], *, field: str = "eval") -> dict:
     """Mean and 95% Student-t interval across runs (seeds) per evaluation length and metric.
 
     Args:
-        runs: run entries (``entry["eval"][str(n)][metric]``), one per seed, at least one.
-        lengths: evaluation lengths in tokens.
+        runs: run entries (``entry[field][str(n)][metric]``), one per seed, at least one.
+        lengths: evaluation lengths in tokens (and other keys of ``entry[field]``, e.g. :data:`WHOLE_TEXT`).
+        field: "eval" (full attention, default) or "eval_windowed".
 
     Returns:
         ``{str(n): {"nll" | "bpb" | "ppl": mean_interval(...)}}`` (:func:`~relbias.experiments.intervals.mean_interval`).
     """
     return {
-        str(n): {m: mean_interval([r["eval"][str(n)][m] for r in runs]) for m in ("nll", "bpb", "ppl")}
+        str(n): {m: mean_interval([r[field][str(n)][m] for r in runs]) for m in ("nll", "bpb", "ppl")}
         for n in lengths
     }
+
+
+def windowed(results: dict) -> bool:
+    """Whether ``results`` holds the windowed evaluation (``config["eval_window"]``) beside full attention."""
+    return results["config"].get("eval_window") is not None
+
+
+def window_note(results: dict) -> str:
+    """What the "window" rows and the "whole text" column mean, in one sentence, for the tables."""
+    left = results["config"]["eval_window"][0]
+    return (
+        f"\"window\" rows: every attention layer limited to window=({left}, 0), each byte seeing itself and at most "
+        f"{left} earlier bytes (L - 1) at every length; \"whole text\": the same scored bytes in one windowed "
+        f"forward, every byte after the first {left} with a full window of {left + 1} bytes at every layer"
+    )
 
 
 def _header(results: dict) -> list[str]:
@@ -113,15 +132,29 @@ def format_table(results: dict, *, metric: str = "bpb") -> list[list[str]]:
     Each cell is the mean across the scheme's finished seeds ± the half-width of its 95% Student-t interval
     (:data:`INTERVAL_NOTE`); the mean alone with one seed. The "seeds" column counts the runs averaged.
 
+    With the windowed evaluation (:func:`windowed`), each scheme has two rows side by side, "full" attention and
+    "window" (attention limited to the training length), an "attention" column names them, and a last column
+    "whole text" holds the windowed score of the whole scored text in one forward ("-" for full attention, which
+    is not run over the whole text: it would cost O(N²)).
+
     Args:
         results: as in results.json (version 2).
         metric: "bpb" (bits per byte, 3 decimals) or "ppl" (perplexity per byte, 2 decimals).
     """
     digits = 3 if metric == "bpb" else 2
-    rows = [["scheme", "seeds", *_header(results)]]
+    lengths = _lengths(results)
+    if not windowed(results):
+        rows = [["scheme", "seeds", *_header(results)]]
+        for name, block in _finished(results):
+            summary = block["summary"]
+            rows.append([name, str(len(block["runs"])), *(_cell(summary[str(n)][metric], digits) for n in lengths)])
+        return rows
+    rows = [["scheme", "attention", "seeds", *_header(results), "whole text"]]
     for name, block in _finished(results):
-        summary = block["summary"]
-        rows.append([name, str(len(block["runs"])), *(_cell(summary[str(n)][metric], digits) for n in _lengths(results))])
+        seeds = str(len(block["runs"]))
+        full, window = block["summary"], block["summary_windowed"]
+        rows.append([name, "full", seeds, *(_cell(full[str(n)][metric], digits) for n in lengths), "-"])
+        rows.append([name, "window", seeds, *(_cell(window[str(n)][metric], digits) for n in [*lengths, WHOLE_TEXT])])
     return rows
 
 
@@ -142,6 +175,7 @@ def markdown_report(results: dict) -> str:
     c = results["config"]
     finished = _finished(results)
     tokens = next(iter(finished[0][1]["runs"].values()))["eval_tokens"] if finished else 0
+    window_seconds = windowed(results)
     lines = [
         "# relbias extrapolate",
         "",
@@ -149,7 +183,7 @@ def markdown_report(results: dict) -> str:
         f"for {c['steps']} steps of {c['batch_size']} windows at length L = {c['train_len']} bytes on "
         f"`{c['corpus']}` ({c['corpus_bytes']} bytes, last {c['val_fraction']:g} held out), seeds "
         f"{', '.join(map(str, results.get('seeds', [])))}. Evaluated on the same {tokens} held-out bytes in "
-        f"{_evaluation(c)}. Cells: {INTERVAL_NOTE}.",
+        f"{_evaluation(c)}. Cells: {INTERVAL_NOTE}." + (f" {window_note(results)}." if windowed(results) else ""),
         "",
         "## Bits per byte (lower is better)",
         "",
@@ -161,14 +195,16 @@ def markdown_report(results: dict) -> str:
         "",
         "## Runs",
         "",
-        "| scheme | seed | options | parameters | train s | eval s | final train loss (nats) |",
-        "|---|---|---|---|---|---|---|",
+        "| scheme | seed | options | parameters | train s | eval s |" + (" window eval s |" if window_seconds else "")
+        + " final train loss (nats) |",
+        "|---|---|---|---|---|---|" + ("---|" if window_seconds else "") + "---|",
     ]
     for name, block in finished:
         for seed, e in block["runs"].items():
+            extra = f" {e['windowed_seconds']:.1f} |" if window_seconds else ""
             lines.append(
                 f"| {name} | {seed} | {_options(e.get('position_options', {}))} | {e['parameters']} | "
-                f"{e['train_seconds']:.1f} | {e['eval_seconds']:.1f} | {e['final_train_loss']:.3f} |"
+                f"{e['train_seconds']:.1f} | {e['eval_seconds']:.1f} |{extra} {e['final_train_loss']:.3f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -191,7 +227,9 @@ def require_matplotlib() -> None:
 
 def plot_results(results: dict) -> bytes:
     """PNG bytes: bits per byte vs evaluation length (log 2 axis), one line per scheme (the mean across seeds)
-    with its 95% interval as a shaded band (none with one seed), L marked.
+    with its 95% interval as a shaded band (none with one seed), L marked. With the windowed evaluation
+    (:func:`windowed`), two panels side by side on one y axis: full attention on the left, attention limited to
+    the training length on the right, each scheme in the same colour in both.
 
     Raises:
         ImportError: matplotlib is missing.
@@ -203,24 +241,37 @@ def plot_results(results: dict) -> bytes:
     from matplotlib.figure import Figure
 
     lengths = _lengths(results)
-    fig = Figure(figsize=(7.6, 4.2), dpi=100)
-    ax = fig.add_subplot()
-    for name, block in _finished(results):
-        stats = [block["summary"][str(n)]["bpb"] for n in lengths]
-        (line,) = ax.plot(lengths, [s["mean"] for s in stats], marker="o", markersize=3, label=name)
-        if stats[0]["half_width"] is not None:
-            ax.fill_between(lengths, [s["low"] for s in stats], [s["high"] for s in stats], color=line.get_color(),
-                            alpha=0.2, linewidth=0)
-    ax.axvline(results["config"]["train_len"], color="grey", linestyle="--", linewidth=1, label="training length")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(n) for n in lengths])
-    ax.set_xlabel("evaluation length (bytes)")
-    ax.set_ylabel("bits per byte (lower is better)")
+    train_len = results["config"]["train_len"]
+    panels = [("summary", "full attention")]
+    if windowed(results):
+        left = results["config"]["eval_window"][0]
+        panels.append(("summary_windowed", f"attention within L: window=({left}, 0)"))
+    fig = Figure(figsize=(7.6 + 4.4 * (len(panels) - 1), 4.2), dpi=100)
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+    for ax, (key, label) in zip(axes, panels):
+        for k, (name, block) in enumerate(_finished(results)):
+            stats = [block[key][str(n)]["bpb"] for n in lengths]
+            (line,) = ax.plot(lengths, [s["mean"] for s in stats], marker="o", markersize=3, label=name,
+                              color=f"C{k % 10}")
+            if stats[0]["half_width"] is not None:
+                ax.fill_between(lengths, [s["low"] for s in stats], [s["high"] for s in stats],
+                                color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.axvline(train_len, color="grey", linestyle="--", linewidth=1, label="training length")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("evaluation length (bytes)")
+        ax.grid(True, alpha=0.3)
+        if len(panels) > 1:
+            ax.set_title(label, fontsize="medium")
+    axes[0].set_ylabel("bits per byte (lower is better)")
     seeds = len(results.get("seeds", [])) or 1
     band = f", 95% interval over {seeds} seeds" if seeds > 1 else ", 1 seed"
-    ax.set_title(f"Length extrapolation on {Path(results['config']['corpus']).name}{band}", fontsize="medium")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the lines
+    title = f"Length extrapolation on {Path(results['config']['corpus']).name}{band}"
+    if len(panels) > 1:
+        fig.suptitle(title, fontsize="medium")
+    else:
+        axes[0].set_title(title, fontsize="medium")
+    axes[-1].legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, off the lines
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
