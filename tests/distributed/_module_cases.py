@@ -34,6 +34,7 @@ class MhaCase:
     memory_len: int = 24
     batch_first: bool = True
     new_group: bool = False  # a group made by dist.new_group rather than the default group
+    window: tuple[int | None, int | None] | None = None  # local attention (left, right)
 
 
 MHA_CASES = [
@@ -45,6 +46,10 @@ MHA_CASES = [
     MhaCase("cross-none-contiguous", True, False, "none", "contiguous", "ring", False),
     MhaCase("self-t5-causal-contiguous-ring-pad-seq_first-new_group", False, True, "t5_causal", "contiguous", "ring",
             True, batch_first=False, new_group=True),
+    MhaCase("self-t5-causal-contiguous-ring-pad-window", False, True, "t5_causal", "contiguous", "ring", True,
+            window=(11, 0)),
+    MhaCase("self-t5-bidir-zigzag-ulysses-window", False, False, "t5", "zigzag", "ulysses", False, window=(5, 3)),
+    MhaCase("cross-t5-contiguous-window", True, False, "t5", "contiguous", "ring", False, window=(6, 6)),
 ]
 
 
@@ -151,7 +156,7 @@ def _make_bias(kind: str):
 def run_mha_case(case: MhaCase, rank: int, world_size: int) -> dict:
     torch.manual_seed(7)
     kwargs = dict(batch_first=case.batch_first, position_bias=_make_bias(case.bias), is_causal=case.causal,
-                  cross_attention=case.cross)
+                  cross_attention=case.cross, window=case.window)
     ref_layer = MultiheadAttention(E, H, **kwargs)
     kwargs["position_bias"] = _make_bias(case.bias)  # its own bias module, loaded with the reference's state
     group = dist.new_group([0, 1]) if case.new_group else dist.group.WORLD

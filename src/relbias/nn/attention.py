@@ -116,7 +116,7 @@ class MultiheadAttention(nn.Module):
     Raises:
         ValueError: sizes < 1, ``embed_dim`` not divisible by ``num_heads``, an unknown backend or
             convention, ``is_causal`` with cross-attention, a bias with heads neither 1 nor H, a negative ``window``
-            side, a ``window`` with a ``process_group`` (not supported yet).
+            side.
         TypeError: a ``position_bias`` that is not a RelativeBias; a non-bool ``batch_first`` or
             ``cp_sync_bias_grads``; a ``process_group`` that is not a process group, a 1-D DeviceMesh or None
             (a DeviceMesh of more than one dimension: ValueError); a ``window`` that is not None or a pair, or a
@@ -189,13 +189,7 @@ class MultiheadAttention(nn.Module):
         if not isinstance(cp_sync_bias_grads, bool):
             raise TypeError(f"cp_sync_bias_grads must be a bool, got {cp_sync_bias_grads!r}")
         resolve_group(process_group, argument="process_group")  # the type and shape checks, at construction
-        window = check_window(window)
-        if window is not None and process_group is not None:
-            raise ValueError(
-                f"window with process_group is not supported yet (window={window}); build the layer without "
-                f"process_group, or call relbias.distributed.context_parallel_attention(..., window=) directly"
-            )
-        self.window = window
+        self.window = check_window(window)
         self.process_group, self.cp_layout, self.cp_strategy = process_group, cp_layout, cp_strategy
         self.cp_sync_bias_grads = cp_sync_bias_grads
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
@@ -567,7 +561,7 @@ class MultiheadAttention(nn.Module):
             out = context_parallel_attention(
                 q, k, v, bias=self.position_bias, mask=keep, is_causal=self.is_causal or is_causal,
                 scale=self.scale, convention=self.convention, group=group, layout=self.cp_layout,
-                strategy=self.cp_strategy, sync_bias_grads=self.cp_sync_bias_grads,
+                strategy=self.cp_strategy, sync_bias_grads=self.cp_sync_bias_grads, window=self.window,
             )
         else:
             if is_causal:
@@ -582,6 +576,7 @@ class MultiheadAttention(nn.Module):
                 outs.append(attention(
                     q[:, :, at : at + length], k, v, bias=self.position_bias, mask=keep, scale=self.scale,
                     convention=self.convention, query_start=start, key_start=0, backend=self.backend,
+                    window=self.window,
                 ))
                 at += length
             out = torch.cat(outs, dim=2)
