@@ -2,18 +2,21 @@
 
 ``score_mod`` adds ``values[h, q_idx - kv_idx + Lk - 1]`` from the native per-offset vector (offset
 ``i - j = delta + q_idx - kv_idx``) and, for a float mask, its finite values; ``mask_mod`` hides future
-keys (causal, under the block's alignment), False entries of a bool mask and -inf entries of a float
-mask, so the block mask lets the kernel skip fully masked tiles. The native values are a captured
-tensor, so the bias gradient flows where FlexAttention has a backward.
+keys (causal, under the block's alignment), keys outside a local-attention window (:mod:`relbias.window`:
+offsets ``-right <= i - j <= left``), False entries of a bool mask and -inf entries of a float mask, so
+the block mask lets the kernel skip fully masked tiles: with a window, every tile outside the band is
+never visited. The native values are a captured tensor, so the bias gradient flows where FlexAttention
+has a backward; with a window they are evaluated only inside the band (:meth:`AttentionCall.native_bias`).
 
 Compiled per length bucket: query and key lengths are padded to the next power of two (at least
 :data:`MIN_BUCKET`; padded keys are masked, padded queries dropped), and positions reach
 ``score_mod`` / ``mask_mod`` as tensors, never as Python numbers baked into the graph. A new length or
 decode step inside a bucket therefore reuses the compiled kernel, and a run of growing lengths compiles
-O(log L) times. (``dynamic=True`` is not used: torch 2.13's CPU FlexAttention template fails to compile
-with symbolic lengths.) Should dynamo still hit its recompile limit (:data:`RECOMPILE_LIMIT`), the call
-raises instead of falling back to eager FlexAttention, which would materialise the (B, H, Lq, Lk)
-scores.
+O(log L) times. A window's sides reach ``mask_mod`` as tensors too: only which sides bound the block
+shapes the graph, so another window width reuses it. (``dynamic=True`` is not used: torch 2.13's CPU
+FlexAttention template fails to compile with symbolic lengths.) Should dynamo still hit its recompile
+limit (:data:`RECOMPILE_LIMIT`), the call raises instead of falling back to eager FlexAttention, which
+would materialise the (B, H, Lq, Lk) scores.
 
 Never silently wrong: compiled FlexAttention in torch 2.13 returns wrong values or NaN on some CPUs
 (AVX2 without AVX-512, head_dim 8 or 16: the last (batch, head) slice). Before its first use per
@@ -35,10 +38,11 @@ import torch
 
 from ...biases.base import RelativeBias
 from ...call import AttentionCall
+from ...window import kernel_sides
 from . import _blocks as _flex_blocks
 from ..base import Backend
 from .._shared.reasons import (
-    dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons, window_reasons,
+    dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons,
 )
 
 __all__ = ["FlexBackend", "flex_attention", "flex_available", "kernel_check"]
@@ -212,10 +216,19 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     # Per-call numbers reach score_mod / mask_mod as tensors, so the compiled graph depends on the bucket only.
     delta = torch.tensor(call.delta, device=device)
     key_len = torch.tensor(lk, device=device)
+    # The window's sides (i - j <= left, j - i <= right), -1 where a side hides no key of this block, and the right
+    # side under the causal rule, which bounds it at 0 already. Only which sides bound (Python bools) shapes the
+    # compiled graph; their values are tensors.
+    left, right = kernel_sides(call.window, alignment.min_offset, alignment.max_offset)
+    if call.is_causal:
+        right = -1
+    has_left, has_right = left >= 0, right >= 0
+    left_t = torch.tensor(left, device=device) if has_left else None
+    right_t = torch.tensor(right, device=device) if has_right else None
     values = None
     accumulate = torch.float64 if query.dtype == torch.float64 else torch.float32
     if bias is not None:
-        native = bias.native(lq, lk, query_start=alignment.query_start, key_start=alignment.key_start, device=device)
+        native = call.native_bias()  # with a window, evaluated only inside its band
         # Column n = q_idx - kv_idx + (pk - 1) of the padded vector holds offset delta + q_idx - kv_idx, i.e.
         # native column n - (pk - lk); padded entries are 0 (their keys are masked, their queries dropped).
         values = torch.zeros(native.values.shape[0], pq + pk - 1, dtype=accumulate, device=device)
@@ -240,6 +253,10 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
         keep = kv_idx < key_len
         if call.is_causal:
             keep = keep & (q_idx - kv_idx + delta >= 0)
+        if has_left:
+            keep = keep & (q_idx - kv_idx + delta <= left_t)
+        if has_right:
+            keep = keep & (kv_idx - q_idx - delta <= right_t)
         if visible is not None:
             keep = keep & _index(visible, b, h, q_idx, kv_idx)
         return keep
@@ -247,8 +264,14 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     def visible_rows(t0, t1):  # mask_mod for query rows t0:t1, as a (Bm, Hm, t1 - t0, pk) bool tensor
         keys = torch.arange(pk, device=device)
         keep = (keys < lk).expand(t1 - t0, pk)
-        if call.is_causal:
-            keep = keep & (torch.arange(t0, t1, device=device)[:, None] - keys + call.delta >= 0)
+        if call.is_causal or has_left or has_right:
+            offsets = torch.arange(t0, t1, device=device)[:, None] - keys + call.delta
+            if call.is_causal:
+                keep = keep & (offsets >= 0)
+            if has_left:
+                keep = keep & (offsets <= left)
+            if has_right:
+                keep = keep & (-offsets <= right)
         keep = keep[None, None]
         if visible is not None:
             keep = keep & (visible[:, :, t0:t1] if visible.shape[2] > 1 else visible)
@@ -278,7 +301,7 @@ class FlexBackend(Backend):
     summary = "FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
-        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "FlexAttention") + window_reasons(call, "flex")
+        reasons = tensor_bias_reasons(call) + dropout_reasons(call, "FlexAttention")
         bias = call.bias
         if isinstance(bias, RelativeBias) and not bias.offset_only:
             reasons.append(f"{type(bias).__name__} reads absolute positions; the flex backend looks up a per-offset vector")
