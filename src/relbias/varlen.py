@@ -80,12 +80,12 @@ def attention_varlen(
     bounds = _boundaries(cu_seqlens, query, key, value)
     if bias is not None and not isinstance(bias, RelativeBias):
         raise TypeError(f"attention_varlen takes a RelativeBias module or None as bias, got {type(bias).__name__}")
-    if window is None and (backend == "triton" or (backend == "auto" and query.device.type == "cuda")):
+    if backend == "triton" or (backend == "auto" and query.device.type == "cuda"):
         from .backends.triton.varlen import packed_attention
 
         packed = packed_attention(query, key, value, bounds, bias=bias, is_causal=is_causal, scale=scale,
                                   convention=convention, backend=backend, return_lse=return_lse, dropout_p=dropout_p,
-                                  generator=generator)
+                                  generator=generator, window=window)
         if packed is not None:
             return packed
     outs, lses = [], []

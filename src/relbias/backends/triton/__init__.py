@@ -6,16 +6,19 @@ so no (Lq, Lk) tensor is formed, for every offset-only family (T5, per-offset, A
 ``FunctionBias``). Kernels, one concept per module:
 
 - :mod:`._forward`: the online-softmax forward, returning the output and the log-sum-exp (the seam context parallel
-  and split-KV merges use); causal tiles beyond the diagonal and wholly padded key tiles are skipped.
+  and split-KV merges use); tiles outside the band of the causal rule and a local-attention window, and wholly padded
+  key tiles, are skipped.
 - :mod:`._backward`: dq, and dk with dv, in two kernels without atomics.
 - :mod:`._bias_grad`: the bias-table gradient, summed along each tile's diagonals into one accumulator per (band of
   tiles, head) and folded on the host in a fixed order: deterministic, O(N) memory, no float atomics.
 - :mod:`._tiles`: the scores of a tile and the dropout bits, the counter-based mask of :mod:`relbias._dropout` bit
   for bit, so for one seed the GPU drops exactly the entries the CPU kernels and the reference drop.
 
-It takes causal and bidirectional calls, Lq != Lk with any query and key positions, a bool key padding mask
-(B or 1, H or 1, 1, Lk), attention dropout, packed sequences (:func:`relbias.attention_varlen`: one launch, tiles
-never crossing a boundary), float32 (multiplied in full float32, not TF32), float16 and bfloat16 with float32
+It takes causal and bidirectional calls, Lq != Lk with any query and key positions, a local-attention window
+(:mod:`relbias.window`: every kernel visits only the tiles the band reaches and masks the entries outside it in the
+tiles it cuts; the bias is evaluated only inside the band), a bool key padding mask (B or 1, H or 1, 1, Lk),
+attention dropout, packed sequences (:func:`relbias.attention_varlen`: one launch, tiles never crossing a boundary,
+a window applied per sequence), float32 (multiplied in full float32, not TF32), float16 and bfloat16 with float32
 accumulation. Tiles hold :data:`BLOCK` rows on CUDA, :data:`INTERPRETED_BLOCK` under the interpreter.
 
 Where it runs: on CUDA, ``auto`` takes it for every call it supports once :func:`._support.kernel_check` has
@@ -33,7 +36,6 @@ import torch
 from ...call import AttentionCall
 from .._shared.reasons import (
     empty_axis_reasons, non_finite_reasons, offset_kernel_reasons, tensor_bias_reasons, tensor_position_reasons,
-    window_reasons,
 )
 from ..base import Backend
 from ._support import device_reason, kernel_check
@@ -65,7 +67,7 @@ class TritonBackend(Backend):
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = tensor_bias_reasons(call) + tensor_position_reasons(call, "triton")
-        reasons += offset_kernel_reasons(call) + window_reasons(call, "triton")
+        reasons += offset_kernel_reasons(call)
         if torch.compiler.is_compiling():
             reasons.append("the Triton kernels are not traced by torch.compile (flex or blockwise run compiled calls)")
         reasons += empty_axis_reasons(call, "the Triton kernels")
@@ -122,8 +124,12 @@ def make_plan(call: AttentionCall, block: int | None, *, cu_seqlens: torch.Tenso
         block = INTERPRETED_BLOCK if device.type == "cpu" else BLOCK
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 16, got {block}")
+    lo, hi = call.offset_band  # the causal rule and the window; a side that hides no entry here is left out
+    a = call.alignment  # for packed sequences the longest one's: a shorter one holds a subset of its offsets
+    lo = None if lo is None or lo <= a.min_offset else lo
+    hi = None if hi is None or hi >= a.max_offset else hi
     return Plan(
-        scale=float(call.scale), bias_scale=float(call.bias_scale), is_causal=call.is_causal,
+        scale=float(call.scale), bias_scale=float(call.bias_scale), band=(lo, hi),
         delta=0 if cu_seqlens is not None else int(call.delta),
         query_pos=0 if dropout is None else int(dropout.query_start),
         key_pos=0 if dropout is None else int(dropout.key_start),

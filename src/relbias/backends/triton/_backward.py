@@ -2,9 +2,10 @@
 
 Two kernels, neither with atomics: one program per (key tile, head, sequence) walks the query tiles that see its keys
 and accumulates dk and dv; one per (query tile, head, sequence) walks the key tiles its queries see and accumulates
-dq. Both recompute ``P = exp(s - lse)`` from the forward's log-sum-exp (``+inf`` for a query that saw no key, so its
-P is 0) and form ``dS = P * (dP - D)`` with ``D = dO . out - grad_lse``; dropout regenerates the forward's mask. The
-bias-table gradient is :mod:`relbias.backends.triton._bias_grad`'s.
+dq (both visit only the tiles the band of the causal rule and a window reaches, as the forward). Both recompute
+``P = exp(s - lse)`` from the forward's log-sum-exp (``+inf`` for a query that saw no key, so its P is 0) and form
+``dS = P * (dP - D)`` with ``D = dO . out - grad_lse``; dropout regenerates the forward's mask. The bias-table
+gradient is :mod:`relbias.backends.triton._bias_grad`'s.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ import triton
 import triton.language as tl
 
 from ._plan import Plan, launch_args
-from ._tiles import keep_mask, key_row, sequence, tile_scores
+from ._tiles import keep_mask, key_row, key_tiles, query_tiles, sequence, tile_scores
 
 __all__ = ["backward_dkdv", "backward_dq", "load_keys", "load_rows", "score_grad_tile"]
 
 
 @triton.jit
-def score_grad_tile(q, k, v, do, lse, di, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, scale, bias_scale,
-                    seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
-                    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+def score_grad_tile(q, k, v, do, lse, di, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, lo, hi, scale,
+                    bias_scale, seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
+                    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                     PRECISION: tl.constexpr):
     """(P after dropout, dS) of one tile, both (M, N) float32: the probabilities that multiplied the values, and
     the gradient of the scores ``dS = P * (dP - D)`` (before the score scale)."""
-    s, visible = tile_scores(q, k, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, scale, bias_scale,
-                             IS_CAUSAL, HAS_PAD, PRECISION)
+    s, visible = tile_scores(q, k, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, lo, hi, scale, bias_scale,
+                             HAS_LO, HAS_HI, HAS_PAD, PRECISION)
     p = tl.exp(s - lse[:, None])
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     if HAS_DROPOUT:
@@ -67,9 +68,10 @@ def load_keys(K, V, b, h, k0, offs_n, lk, offs_d, offs_dv, D, DV, skb, skh, skl,
 def _dkdv_kernel(
     Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, DK, DV_OUT,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
-    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    batch_seed, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
+    batch_seed, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
     b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
@@ -82,17 +84,15 @@ def _dkdv_kernel(
         dk = tl.zeros((BLOCK, BLOCK_D), tl.float32)
         dv = tl.zeros((BLOCK, BLOCK_DV), tl.float32)
         kp, any_kept = key_row(PAD, b, h, spb, sph, offs_n, lk, HAS_PAD)
-        start = 0
-        if IS_CAUSAL:  # the first query that sees key start_n: i >= start_n - delta
-            start = (tl.maximum(start_n - delta, 0) // BLOCK) * BLOCK
+        begin, end = query_tiles(start_n, lq, delta, lo, hi, BLOCK, HAS_LO, HAS_HI)
         if any_kept:
-            for start_m in range(start, lq, BLOCK):
+            for start_m in range(begin, end, BLOCK):
                 offs_m = start_m + tl.arange(0, BLOCK)
                 q, do, lse, di = load_rows(Q, DO, LSE, DI, b, h, q0, offs_m, lq, offs_d, offs_dv, D, DV,
                                            sqb, sqh, sql, sdb, sdh, sdl, slb, slh)
                 p, ds = score_grad_tile(q, k, v, do, lse, di, W + h * swh, kp, offs_m, offs_n, lq, lk, delta, val_off,
-                                        scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
-                                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, PRECISION)
+                                        lo, hi, scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold,
+                                        drop_scale, HAS_LO, HAS_HI, HAS_PAD, HAS_DROPOUT, PRECISION)
                 dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
                 dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION)
         cols = offs_n < lk
@@ -106,9 +106,10 @@ def _dkdv_kernel(
 def _dq_kernel(
     Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, DQ,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
-    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    batch_seed, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
+    batch_seed, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
     b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
@@ -120,17 +121,15 @@ def _dq_kernel(
         q, do, lse, di = load_rows(Q, DO, LSE, DI, b, h, q0, offs_m, lq, offs_d, offs_dv, D, DV,
                                    sqb, sqh, sql, sdb, sdh, sdl, slb, slh)
         dq = tl.zeros((BLOCK, BLOCK_D), tl.float32)
-        end = lk
-        if IS_CAUSAL:
-            end = tl.maximum(tl.minimum(lk, start_m + BLOCK + delta), 0)
-        for start_n in range(0, end, BLOCK):
+        begin, end = key_tiles(start_m, lk, delta, lo, hi, BLOCK, HAS_LO, HAS_HI)
+        for start_n in range(begin, end, BLOCK):
             offs_n = start_n + tl.arange(0, BLOCK)
             kp, any_kept = key_row(PAD, b, h, spb, sph, offs_n, lk, HAS_PAD)
             if any_kept:
                 k, v = load_keys(K, V, b, h, k0, offs_n, lk, offs_d, offs_dv, D, DV, skb, skh, skl, svb, svh, svl)
                 p, ds = score_grad_tile(q, k, v, do, lse, di, W + h * swh, kp, offs_m, offs_n, lq, lk, delta, val_off,
-                                        scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
-                                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, PRECISION)
+                                        lo, hi, scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold,
+                                        drop_scale, HAS_LO, HAS_HI, HAS_PAD, HAS_DROPOUT, PRECISION)
                 dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         tl.store(DQ + b * sqb + h * sqh + (q0 + offs_m)[:, None] * sql + offs_d[None, :],
                  (dq * scale).to(DQ.dtype.element_ty), mask=(offs_m[:, None] < lq) & (offs_d[None, :] < D))

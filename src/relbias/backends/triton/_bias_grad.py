@@ -7,9 +7,11 @@ program per (band, head) walks its band's tiles through every sequence, recomput
 into one (block, block) float32 accumulator: no atomics, a fixed order. The host then sums each accumulator along its
 2·block - 1 diagonals, overlaps neighbouring bands (a band's upper block - 1 diagonals are the next band's lower
 offsets) and sums over heads where the bias is shared, every step a plain reduction in a fixed order: two runs give
-the same bits. Cost: one more pass over the tiles that recomputes ``q . k`` and ``dO . v`` (two of the backward's
-seven tile products), and (bands x heads x block²) float32 of partial sums, O(N·block·H) memory: 48 MiB at 8192
-tokens, 12 heads, block 64, against 3 GiB for a dense (H, L, L) bias gradient.
+the same bits. Only the bands holding some offset the causal rule and the window leave visible get a program and an
+accumulator (:meth:`._plan.Plan.bands`): about half of them causal, about W / block + 2 under a window of W keys.
+Cost: one more pass over the tiles that recomputes ``q . k`` and ``dO . v`` (two of the backward's seven tile
+products), and (bands x heads x block²) float32 of partial sums, O(N·block·H) memory: 48 MiB at 8192 tokens,
+12 heads, block 64, against 3 GiB for a dense (H, L, L) bias gradient (O(W·block·H) under a window of W keys).
 """
 
 from __future__ import annotations
@@ -29,14 +31,15 @@ __all__ = ["bias_grad"]
 def _band_kernel(
     Q, K, V, DO, LSE, DI, W, PAD, CU, SEEDS, PARTIAL,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
-    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    batch_seed, S, KEY_TILES,
-    IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
+    batch_seed, S, FIRST_BAND,
+    HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     band = tl.program_id(0)
     h = tl.program_id(1)
-    r = band - (KEY_TILES - 1)  # query tile minus key tile
+    r = band + FIRST_BAND  # query tile minus key tile
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros((BLOCK, BLOCK), tl.float32)
@@ -44,8 +47,6 @@ def _band_kernel(
         b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN)
         first = tl.maximum(r, 0)
         last = tl.minimum((lq + BLOCK - 1) // BLOCK, (lk + BLOCK - 1) // BLOCK + r)
-        if IS_CAUSAL:  # a band whose largest offset r * BLOCK + BLOCK - 1 is in the future everywhere: nothing to do
-            last = tl.where(r * BLOCK + BLOCK - 1 + delta >= 0, last, first)
         for qt in range(first, last):
             offs_m = qt * BLOCK + tl.arange(0, BLOCK)
             offs_n = (qt - r) * BLOCK + tl.arange(0, BLOCK)
@@ -55,8 +56,8 @@ def _band_kernel(
                                            sqb, sqh, sql, sdb, sdh, sdl, slb, slh)
                 k, v = load_keys(K, V, b, h, k0, offs_n, lk, offs_d, offs_dv, D, DV, skb, skh, skl, svb, svh, svl)
                 p, ds = score_grad_tile(q, k, v, do, lse, di, W + h * swh, kp, offs_m, offs_n, lq, lk, delta, val_off,
-                                        scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold, drop_scale,
-                                        IS_CAUSAL, HAS_PAD, HAS_DROPOUT, PRECISION)
+                                        lo, hi, scale, bias_scale, seed, b, h, query_pos, key_pos, drop_threshold,
+                                        drop_scale, HAS_LO, HAS_HI, HAS_PAD, HAS_DROPOUT, PRECISION)
                 acc += ds
     cells = tl.arange(0, BLOCK)
     base = PARTIAL + (h * tl.num_programs(0) + band) * BLOCK * BLOCK
@@ -68,12 +69,14 @@ def bias_grad(query, key, value, grad_out, lse, di, w, padding, plan: Plan) -> t
     :func:`relbias.backends.triton._backward.backward_dq`."""
     pointers, args, meta = launch_args(plan, query, key, value, grad_out, lse, w, padding)
     heads, block = query.shape[1], plan.block
-    query_tiles, key_tiles = plan.tiles(query.shape[2]), plan.tiles(key.shape[2])
-    bands = query_tiles + key_tiles - 1
-    partial = torch.empty(heads, bands, block, block, dtype=torch.float32, device=query.device)
-    _band_kernel[(bands, heads)](query, key, value, grad_out, lse, di, *pointers, partial, *args,
-                                 plan.sequences(query), key_tiles, **meta)
-    grad = fold_bands(partial, w.shape[1], plan.value_offset(key.shape[2]) - key_tiles * block + 1)
+    first, stop = plan.bands(query.shape[2], key.shape[2])  # the bands holding some offset of the causal rule/window
+    if first >= stop:  # no query sees any key
+        grad = w.new_zeros(heads, w.shape[1])
+    else:
+        partial = torch.empty(heads, stop - first, block, block, dtype=torch.float32, device=query.device)
+        _band_kernel[(stop - first, heads)](query, key, value, grad_out, lse, di, *pointers, partial, *args,
+                                            plan.sequences(query), first, **meta)
+        grad = fold_bands(partial, w.shape[1], plan.value_offset(key.shape[2]) + first * block - block + 1)
     if w.shape[0] == 1:  # one bias for every head
         grad = grad.sum(0, keepdim=True)
     return grad * plan.bias_scale

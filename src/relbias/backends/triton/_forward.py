@@ -1,7 +1,8 @@
 """The forward kernel: FlashAttention-2's forward (Dao 2023, Alg. 1) with the bias read per offset.
 
-One program per (query tile, head, sequence) runs the online softmax over the key tiles its queries may see (causal:
-tiles wholly in the future are never visited; key tiles wholly padded are skipped), reading the bias of entry
+One program per (query tile, head, sequence) runs the online softmax over the key tiles its queries may see (tiles
+wholly outside the band of the causal rule and a window are never visited; key tiles wholly padded are skipped),
+reading the bias of entry
 (i, j) from the head's per-offset values at ``i - j + value_offset``: no (Lq, Lk) tensor exists. Dropout multiplies
 the probabilities by the counter-based mask after the row sums, as :mod:`relbias._dropout` defines it. Returns the
 output and the natural log-sum-exp of each query's scores (-inf, with output 0, for a query that sees no key).
@@ -14,7 +15,7 @@ import triton
 import triton.language as tl
 
 from ._plan import Plan, launch_args
-from ._tiles import keep_mask, key_row, sequence, tile_scores
+from ._tiles import keep_mask, key_row, key_tiles, sequence, tile_scores
 
 __all__ = ["forward"]
 
@@ -23,9 +24,10 @@ __all__ = ["forward"]
 def _forward_kernel(
     Q, K, V, W, PAD, CU, SEEDS, OUT, LSE,
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sob, soh, sol, slb, slh, swh, spb, sph,
-    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, query_pos, key_pos, drop_threshold, drop_scale,
-    batch_seed, IS_CAUSAL: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PRECISION: tl.constexpr,
+    Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
+    batch_seed, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
     b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
@@ -43,10 +45,8 @@ def _forward_kernel(
         m_i = tl.full((BLOCK,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK,), tl.float32)
         acc = tl.zeros((BLOCK, BLOCK_DV), tl.float32)
-        end = lk
-        if IS_CAUSAL:  # keys j <= i + delta
-            end = tl.maximum(tl.minimum(lk, start_m + BLOCK + delta), 0)
-        for start_n in range(0, end, BLOCK):
+        begin, end = key_tiles(start_m, lk, delta, lo, hi, BLOCK, HAS_LO, HAS_HI)
+        for start_n in range(begin, end, BLOCK):
             offs_n = start_n + tl.arange(0, BLOCK)
             kp, any_kept = key_row(PAD, b, h, spb, sph, offs_n, lk, HAS_PAD)
             if any_kept:
@@ -54,8 +54,8 @@ def _forward_kernel(
                             mask=(offs_n[:, None] < lk) & (offs_d[None, :] < D), other=0.0)
                 v = tl.load(v_base + offs_n[:, None] * svl + offs_dv[None, :],
                             mask=(offs_n[:, None] < lk) & (offs_dv[None, :] < DV), other=0.0)
-                s, visible = tile_scores(q, k, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, scale, bias_scale,
-                                         IS_CAUSAL, HAS_PAD, PRECISION)
+                s, visible = tile_scores(q, k, w_row, kp, offs_m, offs_n, lq, lk, delta, val_off, lo, hi, scale,
+                                         bias_scale, HAS_LO, HAS_HI, HAS_PAD, PRECISION)
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
                 p = tl.exp(s - m_safe[:, None])

@@ -15,7 +15,9 @@ class Plan:
 
     Attributes:
         scale: multiplier of ``q . k``; bias_scale: multiplier of the bias (the convention's).
-        is_causal: hide keys with ``j > i + delta``.
+        band: ``(lo, hi)``, the offsets ``lo <= i - j <= hi`` (i, j absolute positions) a query may see: the causal
+            rule (lo 0) and a local-attention window folded (:attr:`relbias.call.AttentionCall.offset_band`); a side
+            is None where it hides no entry of the call, so no kernel compares against it.
         delta: ``query_start - key_start`` (tokens; 0 for packed sequences).
         query_pos, key_pos: absolute positions (tokens) of the first query and key, for the dropout mask.
         dropout_p: drop probability, 0 for none.
@@ -28,7 +30,7 @@ class Plan:
 
     scale: float
     bias_scale: float
-    is_causal: bool
+    band: tuple[int | None, int | None]
     delta: int
     query_pos: int
     key_pos: int
@@ -50,6 +52,19 @@ class Plan:
     def tiles(self, length: int) -> int:
         """Tiles along a query or key axis of ``length`` rows (the longest packed sequence's when packed)."""
         return -(-(self.max_len if self.varlen else length) // self.block)
+
+    def bands(self, query_len: int, key_len: int) -> tuple[int, int]:
+        """``(first, stop)``: the range of ``query tile - key tile`` whose tiles hold some offset of :attr:`band`
+        (tile r holds ``r * block - (block - 1) + delta`` to ``r * block + block - 1 + delta``); ``first >= stop``
+        when none does."""
+        n = self.block
+        first, stop = -(self.tiles(key_len) - 1), self.tiles(query_len)
+        lo, hi = self.band
+        if lo is not None:  # largest offset >= lo
+            first = max(first, -((self.delta + n - 1 - lo) // n))
+        if hi is not None:  # smallest offset <= hi
+            stop = min(stop, (hi - self.delta + n - 1) // n + 1)
+        return first, stop
 
     def value_offset(self, key_len: int) -> int:
         """Column of the per-offset values read by query 0 and key 0 (``values[h, i - j + value_offset]``)."""
@@ -92,13 +107,14 @@ def launch_args(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch
     if padding is not None:  # 0 across a dimension of size 1: the same row for every batch entry or head
         pad_strides = tuple(padding.stride(i) if padding.shape[i] > 1 else 0 for i in (0, 1))
     pointers = [w, w if padding is None else padding, *plan.pointers(w)]
+    lo, hi = plan.band
     args = [
         *query.stride()[:3], *key.stride()[:3], *value.stride()[:3], *rows.stride()[:3], *lse.stride()[:2],
         w.stride(0) if w.shape[0] > 1 else 0, *pad_strides,
-        lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), plan.query_pos,
-        plan.key_pos, threshold, keep_scale, batch_seed,
+        lq, lk, d, dv, plan.scale, plan.bias_scale, plan.delta, plan.value_offset(lk), 0 if lo is None else lo,
+        0 if hi is None else hi, plan.query_pos, plan.key_pos, threshold, keep_scale, batch_seed,
     ]
-    meta = dict(IS_CAUSAL=plan.is_causal, HAS_PAD=padding is not None, HAS_DROPOUT=plan.dropout_p > 0,
-                IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d), BLOCK_DV=block_dim(dv),
-                PRECISION=precision(query.dtype))
+    meta = dict(HAS_LO=lo is not None, HAS_HI=hi is not None, HAS_PAD=padding is not None,
+                HAS_DROPOUT=plan.dropout_p > 0, IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d),
+                BLOCK_DV=block_dim(dv), PRECISION=precision(query.dtype))
     return pointers, args, meta

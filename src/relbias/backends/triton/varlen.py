@@ -2,8 +2,9 @@
 
 The kernels' sequence axis runs over the packed sequences: a program's tiles hold rows of one sequence only (no tile
 crosses a boundary, no padding is added), positions restart at 0 at each sequence start, and the bias is read from the
-native form of the longest sequence, whose per-offset values hold every offset a shorter one needs. Each sequence
-keeps its own dropout seed, drawn in order as the per-sequence path draws it, so both drop the same entries.
+native form of the longest sequence, whose per-offset values hold every offset a shorter one needs. A window applies
+per sequence: positions restart at 0, so one band of offsets serves every sequence. Each sequence keeps its own
+dropout seed, drawn in order as the per-sequence path draws it, so both drop the same entries.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ __all__ = ["packed_attention"]
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: list[int], *,
                      bias: RelativeBias | None, is_causal: bool, scale: float | None, convention: str | None,
-                     backend: str, return_lse: bool, dropout_p: float, generator: torch.Generator | None):
+                     backend: str, return_lse: bool, dropout_p: float, generator: torch.Generator | None,
+                     window: tuple[int | None, int | None] | None = None):
     """:func:`relbias.attention_varlen`'s result by one launch, or None when ``backend`` is "auto" and the triton
     backend cannot run these sequences (the caller then runs them one by one). Arguments as
     :func:`relbias.attention_varlen`'s, ``bounds`` checked.
@@ -38,11 +40,12 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     rows = slice(bounds[longest], bounds[longest + 1])
     call = make_call(query[:, :, rows], key[:, :, rows], value[:, :, rows], bias=bias, is_causal=is_causal,
                      scale=scale, convention=convention, return_lse=return_lse, dropout_p=dropout_p,
-                     generator=torch.Generator())  # a throwaway seed: the sequences draw theirs below
+                     generator=torch.Generator(), window=window)  # a throwaway seed: the sequences draw theirs below
     triton_backend = BACKENDS["triton"]
     reasons = (triton_backend.auto_reasons(call) if backend == "auto" else []) or \
         triton_backend.unsupported_reasons(call)
-    if is_causal and not reasons and not (torch.isfinite(key.sum()) and torch.isfinite(value.sum())):
+    hides_keys = is_causal or call.window is not None  # some key of a sequence hidden from some of its queries
+    if hides_keys and not reasons and not (torch.isfinite(key.sum()) and torch.isfinite(value.sum())):
         reasons = ["a key or value holds NaN/inf, which the kernels would spread to queries of its sequence that "
                    "cannot see it"]
     if reasons:
