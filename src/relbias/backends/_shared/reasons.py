@@ -108,4 +108,4 @@ def window_reasons(call: AttentionCall, backend: str) -> list[str]:
     if call.window is None:
         return []
     return [f"a window {call.window} (left, right): {backend} does not apply one; toeplitz (its native kernels), "
-            f"blockwise and reference do, skipping what lies outside it"]
+            f"triton, flex, blockwise and reference do, skipping what lies outside it"]
