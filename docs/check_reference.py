@@ -11,8 +11,9 @@ import pathlib
 import sys
 
 MODULES = (
-    "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.mpnet",
-    "relbias.integrations.alibi_decoders", "relbias.integrations.hidden_rows", "relbias.window",
+    "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.t5",
+    "relbias.integrations.common", "relbias.integrations.mpnet", "relbias.integrations.alibi_decoders",
+    "relbias.integrations.hidden_rows", "relbias.window",
 )
 
 

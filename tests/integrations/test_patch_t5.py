@@ -9,7 +9,7 @@ pytest.importorskip("transformers", reason="transformers is not installed (the '
 
 from relbias import T5Bias  # noqa: E402
 from relbias.backends import BACKENDS  # noqa: E402
-from relbias.integrations import transformers as integration  # noqa: E402
+from relbias.integrations import t5 as integration  # noqa: E402
 from relbias.integrations.transformers import (  # noqa: E402
     SUPPORTED_TRANSFORMERS,
     is_patched,

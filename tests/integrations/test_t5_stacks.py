@@ -10,7 +10,7 @@ from torch import nn
 
 pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras install it)")
 
-from relbias.integrations import transformers as integration  # noqa: E402
+from relbias.integrations import t5 as integration  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, is_patched, patch_t5, unpatch_t5  # noqa: E402
 
 from .._tolerance import assert_rounding_close  # noqa: E402

@@ -46,6 +46,7 @@ from torch import nn
 from .._gqa import expand_kv_heads
 from ..biases.alibi import ALiBiBias
 from ..functional import attention, attention_with_weights
+from .common import check_backend, check_transformers_version
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import hf_visible, relbias_mask_from_hf
 
@@ -216,8 +217,6 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             no relative bias).
         ValueError: already patched; an unknown backend.
     """
-    from .transformers import _check_backend, check_transformers_version
-
     found = alibi_decoder(model)
     if found is None:
         raise TypeError(f"{type(model).__name__} holds no transformers BLOOM, MPT or Falcon model")
@@ -225,7 +224,7 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     name, base = found
     if is_alibi_patched(model):
         raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_alibi(model) first")
-    _check_backend(backend)
+    check_backend(backend)
     module = _architecture(name)
     module.check(base)
     slopes = module.slopes(base)

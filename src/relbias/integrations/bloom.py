@@ -15,14 +15,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
-from .transformers import _first_instance
+from .common import first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``BloomModel`` in ``model``, or None."""
-    return _first_instance(model, "bloom.modeling_bloom", "BloomModel")
+    return first_instance(model, "bloom.modeling_bloom", "BloomModel")
 
 
 def check(base: nn.Module) -> None:

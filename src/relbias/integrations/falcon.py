@@ -24,14 +24,14 @@ import torch
 from torch import nn
 
 from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
-from .transformers import _first_instance
+from .common import first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "split_heads", "uninstall"]
 
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``FalconModel`` in ``model``, or None."""
-    return _first_instance(model, "falcon.modeling_falcon", "FalconModel")
+    return first_instance(model, "falcon.modeling_falcon", "FalconModel")
 
 
 def check(base: nn.Module) -> None:

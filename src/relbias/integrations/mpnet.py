@@ -31,7 +31,7 @@ from ..biases.t5 import T5Bias
 from ..functional import attention, attention_with_weights
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import relbias_mask_from_hf
-from .transformers import _check_backend, _first_instance
+from .common import check_backend, first_instance
 
 __all__ = ["MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "is_mpnet_patched", "mpnet_encoder", "patch_mpnet", "unpatch_mpnet"]
 
@@ -43,7 +43,7 @@ _STATE_ATTR = "_relbias_mpnet_patch"
 def mpnet_encoder(model: nn.Module) -> nn.Module | None:
     """The first ``MPNetEncoder`` in ``model.named_modules()`` (the model itself, a task head's, a wrapper's such
     as a sentence-transformers ``SentenceTransformer``), or None (no MPNet in it, or transformers not installed)."""
-    return _first_instance(model, "mpnet.modeling_mpnet", "MPNetEncoder")
+    return first_instance(model, "mpnet.modeling_mpnet", "MPNetEncoder")
 
 
 def is_mpnet_patched(model: nn.Module) -> bool:
@@ -125,7 +125,7 @@ def patch_mpnet(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             f"MPNet's relative_attention_bias has shape {tuple(table.shape)}; relbias patches the (32, num_heads) "
             f"table transformers' bucketing reads (relative_attention_num_buckets=32)"
         )
-    _check_backend(backend)
+    check_backend(backend)
     with torch.random.fork_rng(devices=[]):  # T5Bias draws a random table: keep the caller's stream
         bias = T5Bias(encoder.n_heads, num_buckets=MPNET_BUCKETS, max_distance=MPNET_MAX_DISTANCE, bidirectional=True)
     bias.weight = table

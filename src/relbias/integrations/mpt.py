@@ -19,7 +19,7 @@ from torch import nn
 
 from ..biases.alibi import mpt_alibi_slopes
 from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
-from .transformers import _first_instance
+from .common import first_instance
 
 __all__ = ["TRANSFORMERS_ALIBI_BIAS_MAX", "base_model", "check", "install", "slopes", "uninstall"]
 
@@ -30,7 +30,7 @@ TRANSFORMERS_ALIBI_BIAS_MAX = 8.0
 
 def base_model(model: nn.Module) -> nn.Module | None:
     """The first ``MptModel`` in ``model``, or None."""
-    return _first_instance(model, "mpt.modeling_mpt", "MptModel")
+    return first_instance(model, "mpt.modeling_mpt", "MptModel")
 
 
 def check(base: nn.Module) -> None:
