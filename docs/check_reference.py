@@ -12,8 +12,8 @@ import sys
 
 MODULES = (
     "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.t5",
-    "relbias.integrations.common", "relbias.integrations.mpnet", "relbias.integrations.alibi_decoders",
-    "relbias.integrations.hidden_rows", "relbias.window",
+    "relbias.integrations.longt5", "relbias.integrations.common", "relbias.integrations.mpnet",
+    "relbias.integrations.alibi_decoders", "relbias.integrations.hidden_rows", "relbias.window",
 )
 
 

@@ -1,4 +1,5 @@
-"""The T5 patch: Hugging Face T5-family models (T5, mT5, Flan-T5, UMT5, Switch Transformers, Pop2Piano) with relbias attention.
+"""The T5 patch: Hugging Face T5-family models (T5, mT5, Flan-T5, UMT5, Switch Transformers, Pop2Piano) with relbias
+attention.
 
 ``patch_t5(model)`` makes the self-attention of every encoder and decoder layer compute
 ``softmax((q . k) + u_{b(i-j)} + Mask) v`` (T5's unscaled scores, Raffel et al. 2020, JMLR 21(140), §2.1) with
@@ -43,8 +44,8 @@ from .loading import self_attention_modules, t5_biases_from_model
 from .masks import relbias_mask_from_hf
 
 __all__ = [
-    "ATTN_IMPLEMENTATION", "T5PositionBias", "install_stack", "is_patched", "patch_t5", "relbias_t5_attention", "restore",
-    "t5_stacks", "unpatch_t5",
+    "ATTN_IMPLEMENTATION", "T5PositionBias", "install_stack", "is_patched", "patch_t5", "relbias_t5_attention",
+    "restore", "t5_stacks", "unpatch_t5",
 ]
 
 #: Name of the attention function registered with transformers' ``AttentionInterface``.
@@ -307,7 +308,8 @@ def _stack_holder(model: nn.Module) -> tuple[nn.Module, type]:
     raise TypeError(
         f"patch_t5 found no T5-family stack in {type(model).__name__}: no module with 'encoder' / 'decoder' stacks of "
         f"block[i].layer[0].SelfAttention (T5, mT5, UMT5, Switch Transformers and Pop2Piano models, and any module "
-        f"holding them or their stacks); LongT5, UDOP and Pix2Struct use the T5 bias with another attention or layout"
+        f"holding them or their stacks); UDOP and Pix2Struct use the T5 bias with another attention or layout (LongT5: "
+        f"relbias.integrations.longt5.patch_longt5, or patch)"
     )
 
 
@@ -340,7 +342,8 @@ def _check_layout(attention_cls: type) -> None:
 
 def is_patched(model: nn.Module) -> bool:
     """True when :func:`patch_t5` (or :func:`relbias.integrations.transformers.patch`) has patched ``model`` and
-    :func:`unpatch_t5` has not undone it; for LongT5, :func:`relbias.integrations.longt5.is_longt5_patched`; for MPNet, :func:`relbias.integrations.mpnet.is_mpnet_patched`; for the ALiBi decoders,
+    :func:`unpatch_t5` has not undone it; for LongT5, :func:`relbias.integrations.longt5.is_longt5_patched`; for
+    MPNet, :func:`relbias.integrations.mpnet.is_mpnet_patched`; for the ALiBi decoders,
     :func:`relbias.integrations.alibi_decoders.is_alibi_patched`."""
     return isinstance(getattr(model, _STATE_ATTR, None), _PatchState)
 

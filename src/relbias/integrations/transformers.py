@@ -3,6 +3,7 @@
 The front door: it tells the architecture and hands the model to its patch, one module per family beside this one:
 
 * :mod:`relbias.integrations.t5`: T5, mT5, UMT5, Switch Transformers, Pop2Piano (``patch_t5``; re-exported here);
+* :mod:`relbias.integrations.longt5`: LongT5, local and transient-global (``patch_longt5``);
 * :mod:`relbias.integrations.mpnet`: MPNet and sentence-transformers holding one (``patch_mpnet``);
 * :mod:`relbias.integrations.alibi_decoders`: BLOOM, MPT, Falcon with ``alibi=True`` (``patch_alibi``; the
   architectures in ``bloom``, ``mpt``, ``falcon``).
@@ -59,9 +60,10 @@ __all__ = [
 def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     """Make a transformers model with an offset-only relative bias compute its attention with relbias.
 
-    Recognises, in this order: the T5 family and any module holding its stacks
-    (:func:`relbias.integrations.t5.patch_t5`: T5, mT5, UMT5, Switch Transformers, Pop2Piano, task heads and
-    wrappers, Chronos-Bolt), then MPNet and any module holding an ``MPNetEncoder``
+    Recognises, in this order: LongT5 and any module holding its stacks
+    (:func:`relbias.integrations.longt5.patch_longt5`: local and transient-global encoders), the T5 family and any
+    module holding its stacks (:func:`relbias.integrations.t5.patch_t5`: T5, mT5, UMT5, Switch Transformers,
+    Pop2Piano, task heads and wrappers, Chronos-Bolt), then MPNet and any module holding an ``MPNetEncoder``
     (:func:`relbias.integrations.mpnet.patch_mpnet`: every MPNet head, a sentence-transformers
     ``SentenceTransformer``), then the ALiBi decoders BLOOM, MPT and Falcon with ``alibi=True``
     (:func:`relbias.integrations.alibi_decoders.patch_alibi`). Outputs equal the unpatched model's up to float
@@ -80,10 +82,13 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         ValueError: as that patch (already patched, unknown backend, ...).
     """
     from .alibi_decoders import alibi_decoder, patch_alibi
+    from .longt5 import longt5_holder, patch_longt5
     from .mpnet import mpnet_encoder, patch_mpnet
     from .t5 import t5_stacks
 
     check_transformers_version()
+    if longt5_holder(model) is not None:
+        return patch_longt5(model, backend=backend)
     try:
         t5_stacks(model)
     except TypeError as refusal:
@@ -93,7 +98,7 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             return patch_alibi(model, backend=backend)
         raise TypeError(
             f"relbias patches T5-family models (and modules holding their stacks), MPNet models (and modules "
-            f"holding an MPNetEncoder) and the ALiBi decoders BLOOM, MPT and Falcon (alibi=True); "
+            f"holding an MPNetEncoder), the ALiBi decoders BLOOM, MPT and Falcon (alibi=True) and LongT5 models; "
             f"{type(model).__name__} is none of them: {refusal}"
         ) from None
     return patch_t5(model, backend=backend)
@@ -112,8 +117,11 @@ def unpatch(model: nn.Module) -> nn.Module:
         ValueError: ``model`` is not patched by relbias.
     """
     from .alibi_decoders import is_alibi_patched, unpatch_alibi
+    from .longt5 import is_longt5_patched, unpatch_longt5
     from .mpnet import is_mpnet_patched, unpatch_mpnet
 
+    if is_longt5_patched(model):
+        return unpatch_longt5(model)
     if is_mpnet_patched(model):
         return unpatch_mpnet(model)
     if is_alibi_patched(model):

@@ -1,0 +1,378 @@
+"""The LongT5 patch: Hugging Face LongT5 models (long-t5-local, long-t5-tglobal) with relbias attention.
+
+LongT5 (Guo et al. 2022, "LongT5: Efficient Text-To-Text Transformer for Long Sequences", NAACL Findings, §3.1)
+keeps T5's decoder and replaces the encoder's self-attention by
+
+* **local attention**: query ``i`` sees the keys ``|i - j| <= r`` (``r = config.local_radius``) with T5's bucketed
+  bias ``u_{b(i-j)}`` (bidirectional), unscaled scores: ``softmax((q . k) + u_{b(i-j)} + Mask) v``;
+* **transient-global attention** (TGlobal): the local keys plus one summary key per ``g = config.global_block_size``
+  tokens. The summary of block ``c`` is the *sum* of the layer's input states of its tokens (the last, incomplete
+  block's tokens join the block before it; padding joins none), put through the layer's own
+  ``global_input_layer_norm`` (T5's RMS norm) and the layer's ``k`` / ``v`` projections. Query ``i``, in block
+  ``c_i``, sees every summary of its sequence with a second bucketed bias ``w_{b(c - c_i)}`` over block distances
+  (``global_relative_attention_bias``); summaries of blocks with no token are hidden.
+
+transformers (>= 5.24, < 6) computes local attention in blocks of ``r + 1`` tokens, each against itself and both
+neighbours (``3 (r + 1)`` keys per query, the band applied as a mask, the bias materialised per block), and TGlobal's
+side bias as a (B, N, N / g, H) tensor. :func:`patch_longt5` replaces, on the instances, each encoder layer's
+``forward`` by one that keeps transformers' projections and calls
+
+1. :func:`relbias.attention` once over the whole sequence with ``window=(r, r)``, the first layer's table as a
+   :class:`relbias.T5Bias` (as transformers, every layer reads layer 0's tables) and the key padding mask: time and
+   memory O(N·r);
+2. for TGlobal, a second call over the summary keys: the queries of each block position ``t`` (``i = c·g + t``) form
+   one batch row, in which query ``c`` and summary key ``c'`` sit at positions ``c`` and ``c'``, so that the side bias
+   is an offset bias (a :class:`relbias.T5Bias` sharing ``global_relative_attention_bias``), read per offset, never
+   materialised. The few tokens of an incomplete last block, whose block is the one before, are computed apart
+   (a (tokens, N / g) product). Both parts are merged exactly by log-sum-exp
+   (:func:`relbias.distributed.merge_partials`);
+
+and the decoder's self-attention as :func:`relbias.integrations.t5.patch_t5` runs it (the same
+``compute_bias`` / ``"relbias_t5"`` attention function). Cross-attention, feed-forward, masks' construction and
+generation stay transformers' code; parameters and ``state_dict`` are unchanged.
+
+Padding: transformers hides a key with ``-1e10`` added to its score. A query that is itself padding sees no key of
+its own block band, and gets, as in transformers, the mean of the values of its three blocks' slots (zeros past the
+sequence's ends) — local attention — or, with TGlobal, 0 when its sequence has summaries of empty blocks (padding
+sees those; their states, keys and values are 0) and otherwise the mean of its three blocks' slots and every summary.
+The patch gives those rows the same values; their gradients reach the values only (transformers' also reach queries,
+keys and tables through softmax at uniform weights). No real token's output depends on a padded row.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..biases.t5 import T5Bias
+from ..distributed.merge import merge_partials
+from ..functional import attention
+from .common import check_backend, check_transformers_version
+from .t5 import _PatchState, install_stack, restore
+
+__all__ = ["LongT5Patch", "is_longt5_patched", "longt5_holder", "patch_longt5", "unpatch_longt5"]
+
+_STATE_ATTR = "_relbias_longt5_patch"
+_ENCODER_TYPES = ("local", "transient-global")
+_MASK_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+@dataclass
+class LongT5Patch:
+    """Kept on a patched model (attribute ``_relbias_longt5_patch``) so that :func:`unpatch_longt5` can restore it.
+
+    Attributes:
+        backend: relbias backend name, or None for :func:`relbias.attention`'s default.
+        kind: the encoder's ``encoder_attention_type``, "local" or "transient-global"; None without an encoder.
+        first: the encoder's first self-attention module (it holds the tables every layer reads).
+        local_bias: a bidirectional :class:`relbias.T5Bias` sharing ``first.relative_attention_bias.weight``.
+        global_bias: TGlobal: a bidirectional :class:`relbias.T5Bias` sharing
+            ``first.global_relative_attention_bias.weight``; None for local attention.
+        layers: the encoder attention modules given an instance-level ``forward``.
+        decoder: the decoder's T5 patch state (:func:`relbias.integrations.t5.install_stack`), or None.
+    """
+
+    backend: str | None
+    kind: str | None
+    first: nn.Module | None
+    local_bias: T5Bias | None
+    global_bias: T5Bias | None
+    layers: list = field(default_factory=list)
+    decoder: _PatchState | None = None
+
+
+def longt5_holder(model: nn.Module) -> nn.Module | None:
+    """The first module of ``model`` (in ``named_modules`` order, ``model`` itself first) whose ``encoder`` or
+    ``decoder`` is a transformers ``LongT5Stack`` (a ``LongT5Model``, ``LongT5ForConditionalGeneration``,
+    ``LongT5EncoderModel``, or a wrapper's), or None (none, or transformers not installed)."""
+    try:
+        from transformers.models.longt5.modeling_longt5 import LongT5Stack
+    except ImportError:
+        return None
+    for _, module in model.named_modules():
+        if isinstance(getattr(module, "encoder", None), LongT5Stack) or isinstance(
+            getattr(module, "decoder", None), LongT5Stack
+        ):
+            return module
+    return None
+
+
+def is_longt5_patched(model: nn.Module) -> bool:
+    """True when :func:`patch_longt5` has patched ``model`` and :func:`unpatch_longt5` has not undone it."""
+    return isinstance(getattr(model, _STATE_ATTR, None), LongT5Patch)
+
+
+def _shared_bias(bias: T5Bias, table: nn.Parameter) -> T5Bias:
+    """``bias``, reading ``table`` (the model's parameter, replaced e.g. by ``load_state_dict(assign=True)``)."""
+    if bias.weight is not table:
+        bias.weight = table
+    return bias
+
+
+def _key_mask(module: nn.Module, mask: torch.Tensor | None, length: int, local: bool) -> torch.Tensor | None:
+    """(B, N) bool, True for a real token, from the mask transformers hands the layer: local attention's
+    (B, 1, num_blocks, r + 1, 3 (r + 1)) block mask (its diagonal of the centre block), TGlobal's (B, N) mask."""
+    if mask is None:
+        return None
+    if local:
+        block = module.block_len
+        centre = mask[:, 0, :, :, block: 2 * block]  # (B, num_blocks, r + 1, r + 1)
+        return torch.diagonal(centre, dim1=-2, dim2=-1).reshape(mask.shape[0], -1)[:, :length] > 0
+    return mask != 0
+
+
+def _three_block_sums(value: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, N, D): for each token, the sum of the values of its block of ``block`` tokens and of both neighbours
+    (transformers' three-block slots; zeros past the ends)."""
+    b, h, n, d = value.shape
+    blocks = -(-n // block)
+    padded = nn.functional.pad(value, (0, 0, 0, blocks * block - n))
+    sums = nn.functional.pad(padded.view(b, h, blocks, block, d).sum(3), (0, 0, 1, 1))  # (B, H, blocks + 2, D)
+    three = sums[:, :, :-2] + sums[:, :, 1:-1] + sums[:, :, 2:]  # (B, H, blocks, D)
+    return three.repeat_interleave(block, dim=2)[:, :, :n]
+
+
+def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
+    """TGlobal's summary keys: ``(out (B, H, N, D), lse (B, H, N), side_value (B, H, G, D), segments (B, G))``."""
+    from transformers.models.longt5.modeling_longt5 import _make_global_fixed_block_ids
+
+    b, h, n, d = query.shape
+    size = module.global_block_size
+    if mask2d is None:
+        mask2d = torch.ones(b, n, device=hidden_states.device)
+    block_ids, segments = _make_global_fixed_block_ids(mask2d, size)  # (B, N) int, (B, G) int
+    blocks = segments.shape[-1]  # G = N // size
+    # Summaries: the sum of each block's states ((B, G, d_model); transformers sums with a one-hot einsum).
+    ids = torch.where(block_ids >= 0, block_ids, blocks).long()
+    sums = hidden_states.new_zeros(b, blocks + 1, hidden_states.shape[-1])
+    sums = sums.scatter_add(1, ids[..., None].expand(-1, -1, hidden_states.shape[-1]), hidden_states)[:, :blocks]
+    summaries = module.global_input_layer_norm(sums)
+    side_key = module.k(summaries).view(b, blocks, h, d).transpose(1, 2)  # (B, H, G, D)
+    side_value = module.v(summaries).view(b, blocks, h, d).transpose(1, 2)
+    visible = segments == 1  # (B, G): the summaries a real token sees
+    if blocks == 0:
+        empty = query.new_zeros(b, h, n, d)
+        return empty, torch.full((b, h, n), float("-inf"), device=query.device), side_value, segments
+    # Row t of batch element e holds the queries i = c * size + t, c = 0 .. ceil(N / size) - 1: query c and summary
+    # c' sit at positions c and c', so the side bias w_{b(c' - c)} is an offset bias.
+    rows = -(-n // size)
+    padded = nn.functional.pad(query, (0, 0, 0, rows * size - n))  # (B, H, rows * size, D)
+    q_rows = padded.view(b, h, rows, size, d).permute(0, 3, 1, 2, 4).reshape(b * size, h, rows, d)
+    k_rows = side_key[:, None].expand(b, size, h, blocks, d).reshape(b * size, h, blocks, d)
+    v_rows = side_value[:, None].expand(b, size, h, blocks, d).reshape(b * size, h, blocks, d)
+    m_rows = visible[:, None, None, None, :].expand(b, size, 1, 1, blocks).reshape(b * size, 1, 1, blocks)
+    bias = _shared_bias(patch.global_bias, patch.first.global_relative_attention_bias.weight)
+    out, lse = attention(
+        q_rows, k_rows, v_rows, bias=bias, mask=m_rows, convention="t5", query_start=0, key_start=0,
+        return_lse=True, dropout_p=dropout, **backend,
+    )  # (B * size, H, rows, D), (B * size, H, rows)
+    out = out.view(b, size, h, rows, d).permute(0, 2, 3, 1, 4).reshape(b, h, rows * size, d)[:, :, :n]
+    lse = lse.view(b, size, h, rows).permute(0, 2, 3, 1).reshape(b, h, rows * size)[:, :, :n]
+    # Tokens of an incomplete last block belong to the block before: their side bias is computed apart.
+    positional = torch.arange(n, device=block_ids.device) // size
+    moved = (mask2d != 0) & (block_ids >= 0) & (block_ids != positional)
+    if bool(moved.any()):
+        e, i = moved.nonzero(as_tuple=True)
+        distance = torch.arange(blocks, device=query.device)[None, :] - block_ids[e, i].long()[:, None]  # (n', G)
+        buckets = module._relative_position_bucket(
+            distance, bidirectional=not module.is_decoder, num_buckets=module.relative_attention_num_buckets,
+            max_distance=module.relative_attention_max_distance,
+        )
+        side_bias = patch.first.global_relative_attention_bias(buckets).permute(0, 2, 1)  # (n', H, G)
+        q_moved = query[e, :, i]  # (n', H, D)
+        scores = torch.einsum("nhd,nhgd->nhg", q_moved, side_key[e]).float() + side_bias.float()
+        scores = scores.masked_fill(~visible[e][:, None, :], float("-inf"))
+        lse_moved = torch.logsumexp(scores, dim=-1)  # (n', H)
+        weights = torch.exp(scores - lse_moved.masked_fill(torch.isinf(lse_moved), 0.0)[..., None])
+        weights = nn.functional.dropout(weights, p=dropout, training=dropout > 0)
+        out_moved = torch.einsum("nhg,nhgd->nhd", weights.to(side_value.dtype), side_value[e])
+        out = out.transpose(1, 2).index_put((e, i), out_moved).transpose(1, 2)
+        lse = lse.transpose(1, 2).index_put((e, i), lse_moved.to(lse.dtype)).transpose(1, 2)
+    return out, lse, side_value, segments
+
+
+def _transformers_forward(module, patch, hidden_states, mask, position_bias):
+    """transformers' own blocked attention for ``output_attentions=True`` (weights in its block layout), with the
+    first layer's position bias as transformers builds it when the previous layer did not hand it on."""
+    from transformers.models.longt5 import modeling_longt5 as hf
+
+    if not isinstance(position_bias, torch.Tensor):
+        first, dtype = patch.first, hidden_states.dtype
+        position_bias = first.compute_bias(module.block_len)
+        if patch.kind == "local":
+            if mask is not None:
+                position_bias = position_bias + torch.where(mask > 0, 0.0, -1e10).transpose(1, 2)
+        else:
+            if mask is not None:
+                local = hf._get_local_attention_mask(mask, module.block_len, hidden_states.device)
+                position_bias = position_bias + torch.where(local > 0, 0.0, -1e10).transpose(1, 2)
+            position_bias = position_bias.type(dtype)
+            side_mask = mask if mask is not None else torch.ones(hidden_states.shape[:2])
+            _, segments = hf._make_global_fixed_block_ids(side_mask, module.global_block_size)
+            side = first.compute_side_bias(side_mask, segments)
+            side = hf._split_into_blocks(side, module.block_len, dim=-2).transpose(1, 2)
+            position_bias = torch.cat([position_bias, side.type(dtype).to(position_bias.device)], dim=-1)
+    return type(module).forward(module, hidden_states, mask=mask, position_bias=position_bias, output_attentions=True)
+
+
+def _encoder_forward(module, patch, hidden_states, mask=None, position_bias=None, output_attentions=False):
+    """Replacement of ``LongT5LocalAttention.forward`` / ``LongT5TransientGlobalAttention.forward``.
+
+    Args:
+        module: the layer; patch: the :class:`LongT5Patch`.
+        hidden_states: (B, N, d_model), the layer-normed input.
+        mask: what the stack hands the layer: local attention's (B, 1, N / (r + 1), r + 1, 3 (r + 1)) block mask,
+            TGlobal's (B, N) attention mask, or None (no padding).
+        position_bias: ignored (every layer reads the first layer's tables), except with ``output_attentions``.
+        output_attentions: True runs transformers' own attention (its weights, materialised per block).
+
+    Returns:
+        ``(output (B, N, d_model), None)``; with ``output_attentions``, transformers' ``(output, position_bias,
+        weights)``.
+    """
+    if output_attentions:
+        return _transformers_forward(module, patch, hidden_states, mask, position_bias)
+    b, n, _ = hidden_states.shape
+    h, d = module.n_heads, module.key_value_proj_dim
+    local = patch.kind == "local"
+
+    def heads(x):  # (B, N, H·D) -> (B, H, N, D)
+        return x.view(b, n, h, d).transpose(1, 2)
+
+    query, key, value = heads(module.q(hidden_states)), heads(module.k(hidden_states)), heads(module.v(hidden_states))
+    real = _key_mask(module, mask, n, local)  # (B, N) bool or None
+    padded = real is not None and not bool(real.all())
+    dropout = float(module.dropout) if module.training else 0.0
+    backend = {} if patch.backend is None else {"backend": patch.backend}
+    bias = _shared_bias(patch.local_bias, patch.first.relative_attention_bias.weight)
+    call = dict(
+        bias=bias, mask=real[:, None, None, :] if padded else None, convention="t5", query_start=0, key_start=0,
+        window=(module.local_radius, module.local_radius), dropout_p=dropout, **backend,
+    )
+    if local:
+        out = attention(query, key, value, **call)  # (B, H, N, D)
+    else:
+        out_local, lse_local = attention(query, key, value, return_lse=True, **call)
+        mask2d = mask if mask is not None else None
+        out_global, lse_global, side_value, segments = _global_part(
+            module, patch, hidden_states, query, mask2d, dropout, backend
+        )
+        out, _ = merge_partials(out_local, lse_local, out_global, lse_global)
+    if padded:  # rows of padding: transformers' values (module docstring)
+        hidden = ~real  # (B, N)
+        slots = 3 * module.block_len
+        fill = _three_block_sums(value, module.block_len)
+        if local:
+            fill = fill / slots
+        else:
+            blocks = segments.shape[-1]
+            fill = (fill + side_value.sum(2, keepdim=True)) / (slots + blocks)
+            has_empty = (segments == 0).any(-1)  # (B,): summaries of empty blocks, which padding sees
+            fill = torch.where(has_empty[:, None, None, None], torch.zeros_like(fill), fill)
+        out = torch.where(hidden[:, None, :, None], fill.to(out.dtype), out)
+    out = module.o(out.transpose(1, 2).reshape(b, n, h * d))
+    return out, None
+
+
+def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+    """Make a transformers LongT5 model compute its self-attention with :func:`relbias.attention`.
+
+    The encoder's local attention runs as one windowed call (``window=(local_radius, local_radius)``, the first
+    layer's T5 bias, the key padding mask); TGlobal adds a second call over the per-block summary keys with their
+    side bias, merged by log-sum-exp; the decoder runs as :func:`relbias.integrations.t5.patch_t5` runs it (module
+    docstring; Guo et al. 2022, §3.1). Outputs equal the unpatched model's up to float rounding (float32: max abs
+    difference <= 1e-5 in the tests), gradients too, for both encoder types, padded batches, greedy and beam search.
+    Attention dropout in training runs on relbias' counter-based mask (the same distribution, another mask);
+    ``output_attentions=True`` runs transformers' own encoder attention for that call (weights in its block layout:
+    (B, N / (r + 1), H, r + 1, 3 (r + 1) [+ N / g])) and the decoder's as the T5 patch does.
+
+    Args:
+        model: a transformers ``LongT5Model``, ``LongT5ForConditionalGeneration`` or ``LongT5EncoderModel``
+            (``encoder_attention_type`` "local" or "transient-global"), or a module holding one; patched in place.
+        backend: relbias backend for every self-attention layer, or None (default): :func:`relbias.attention`'s
+            default ("auto").
+
+    Returns:
+        ``model``, patched.
+
+    Raises:
+        ImportError: transformers is not installed.
+        RuntimeError: a transformers version outside ``SUPPORTED_TRANSFORMERS``.
+        TypeError: no LongT5 stack in ``model``.
+        ValueError: already patched; an unknown backend or ``encoder_attention_type``; a decoder with an attention
+            implementation other than "sdpa" / "eager".
+    """
+    check_transformers_version()
+    holder = longt5_holder(model)
+    if holder is None:
+        raise TypeError(f"{type(model).__name__} holds no transformers LongT5 model (no encoder/decoder LongT5Stack)")
+    if is_longt5_patched(model):
+        raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_longt5(model) first")
+    check_backend(backend)
+    encoder, decoder = getattr(holder, "encoder", None), getattr(holder, "decoder", None)
+    state = LongT5Patch(backend=backend, kind=None, first=None, local_bias=None, global_bias=None)
+    if decoder is not None:
+        implementation = decoder.config._attn_implementation
+        if implementation not in _MASK_IMPLEMENTATIONS:
+            raise ValueError(
+                f"decoder uses attn_implementation={implementation!r}; patch_longt5 reads the masks of "
+                f"{_MASK_IMPLEMENTATIONS}: load the model with attn_implementation='eager'"
+            )
+    if encoder is not None:
+        kind = encoder.config.encoder_attention_type
+        if kind not in _ENCODER_TYPES:
+            raise ValueError(f"encoder_attention_type must be one of {_ENCODER_TYPES}, got {kind!r}")
+        name = "LocalSelfAttention" if kind == "local" else "TransientGlobalSelfAttention"
+        attentions = [getattr(block.layer[0], name) for block in encoder.block]
+        first = attentions[0]
+
+        def table_bias(table: nn.Parameter) -> T5Bias:
+            bias = T5Bias(first.n_heads, num_buckets=first.relative_attention_num_buckets,
+                          max_distance=first.relative_attention_max_distance, bidirectional=True, init_std=0.0)
+            bias.weight = table
+            return bias
+
+        state.kind, state.first = kind, first
+        state.local_bias = table_bias(first.relative_attention_bias.weight)
+        if kind == "transient-global":
+            state.global_bias = table_bias(first.global_relative_attention_bias.weight)
+    if decoder is not None:
+        attentions_dec = [block.layer[0].SelfAttention for block in decoder.block]
+        top = attentions_dec[0]
+        bias = T5Bias(top.n_heads, num_buckets=top.relative_attention_num_buckets,
+                      max_distance=top.relative_attention_max_distance, bidirectional=False, init_std=0.0)
+        bias.weight = top.relative_attention_bias.weight
+        state.decoder = _PatchState(backend=backend, configs=[], hooked=[])
+        install_stack(state.decoder, decoder, attentions_dec, [bias] * len(attentions_dec))
+    if encoder is not None:
+        for module in attentions:
+            module.forward = functools.partial(_encoder_forward, module, state)
+            state.layers.append(module)
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def unpatch_longt5(model: nn.Module) -> nn.Module:
+    """Undo :func:`patch_longt5`: transformers' own attention again, exactly.
+
+    Args:
+        model: a model patched by :func:`patch_longt5`.
+
+    Returns:
+        ``model``, unpatched.
+
+    Raises:
+        ValueError: ``model`` is not patched by :func:`patch_longt5`.
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if not isinstance(state, LongT5Patch):
+        raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_longt5)")
+    for module in state.layers:
+        del module.forward  # transformers' own forward again
+    if state.decoder is not None:
+        restore(state.decoder)
+    delattr(model, _STATE_ATTR)
+    return model
