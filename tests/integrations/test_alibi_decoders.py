@@ -11,7 +11,7 @@ from packaging.version import Version
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras)")
 
 import relbias  # noqa: E402
-from relbias.integrations import alibi_decoders  # noqa: E402
+from relbias.integrations import alibi_common, alibi_decoders  # noqa: E402
 from relbias.integrations.alibi_decoders import is_alibi_patched, patch_alibi, unpatch_alibi  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, check_transformers_version  # noqa: E402
 from relbias.integrations.transformers import patch, unpatch  # noqa: E402
@@ -78,13 +78,13 @@ def _close(got, want, mask=None):
 def _calls(monkeypatch):
     """Record the bias and mask of every relbias.attention call the patched layers make."""
     seen = []
-    real = alibi_decoders.attention
+    real = alibi_common.attention
 
     def spy(query, key, value, **kwargs):
         seen.append((kwargs.get("bias"), kwargs.get("mask"), tuple(key.shape)))
         return real(query, key, value, **kwargs)
 
-    monkeypatch.setattr(alibi_decoders, "attention", spy)
+    monkeypatch.setattr(alibi_common, "attention", spy)
     return seen
 
 
@@ -130,8 +130,8 @@ def test_attention_dropout_is_the_models_in_training_only(name, monkeypatch):
         model = _model(name, attention_dropout=0.25)
     patch(model)
     seen = []
-    real = alibi_decoders.attention
-    monkeypatch.setattr(alibi_decoders, "attention", lambda *a, **kw: seen.append(kw["dropout_p"]) or real(*a, **kw))
+    real = alibi_common.attention
+    monkeypatch.setattr(alibi_common, "attention", lambda *a, **kw: seen.append(kw["dropout_p"]) or real(*a, **kw))
     ids, mask = _batch("left")
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)

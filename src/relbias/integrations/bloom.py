@@ -4,7 +4,7 @@ BLOOM (BigScience 2022, "BLOOM: A 176B-Parameter Open-Access Multilingual Langua
 with the slopes of Press et al. 2022 (transformers' ``_get_alibi_slopes``, float32) and scores
 ``(q . k) / sqrt(d) + bias + Mask``: relbias' "additive" convention. The replacement of ``BloomAttention.forward``
 keeps transformers' projection, cache update, output projection (``pretraining_tp`` included) and residual
-dropout, and runs the attention itself with :func:`relbias.integrations.alibi_decoders.alibi_attention`.
+dropout, and runs the attention itself with :func:`relbias.integrations.alibi_common.alibi_attention`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
+from .alibi_common import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
 from .common import first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "uninstall"]

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import nn
 
-from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
+from .alibi_common import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
 from .common import first_instance
 
 __all__ = ["base_model", "check", "install", "slopes", "split_heads", "uninstall"]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..biases.alibi import mpt_alibi_slopes
-from .alibi_decoders import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
+from .alibi_common import ALiBiPatch, alibi_attention, dropout_probability, replace_forwards
 from .common import first_instance
 
 __all__ = ["TRANSFORMERS_ALIBI_BIAS_MAX", "base_model", "check", "install", "slopes", "uninstall"]
