@@ -16,7 +16,7 @@ from torch import nn
 from .. import functional
 from ..backends import BACKENDS
 
-__all__ = ["SUPPORTED_TRANSFORMERS", "check_backend", "check_transformers_version", "first_instance"]
+__all__ = ["SUPPORTED_TRANSFORMERS", "backend_names", "check_backend", "check_transformers_version", "first_instance"]
 
 #: Range of transformers versions the patches support, as a pip specifier: the attention-interface / ``cache`` /
 #: ``compute_bias(..., past_seen_tokens)`` layout of ``modeling_t5``. Tested with 5.24.0 and 5.25.0.
@@ -26,7 +26,7 @@ _MIN_VERSION, _MAX_VERSION = (5, 24), (6, 0)
 
 
 def check_transformers_version():
-    """Import transformers and check that its version is in :data:`SUPPORTED_TRANSFORMERS`.
+    """Import transformers and check that its version is in :data:`~relbias.integrations.common.SUPPORTED_TRANSFORMERS`.
 
     Returns:
         the ``transformers`` module.
@@ -62,7 +62,8 @@ def check_backend(backend: str | None) -> None:
     """Check a patch's ``backend`` argument.
 
     Args:
-        backend: None (:func:`relbias.attention`'s default) or a name it accepts (:func:`backend_names`).
+        backend: None (:func:`relbias.attention`'s default) or a name it accepts
+            (:func:`~relbias.integrations.common.backend_names`).
 
     Raises:
         ValueError: any other value; the message lists the accepted names.

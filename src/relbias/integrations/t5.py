@@ -448,8 +448,9 @@ def patch_t5(
 
     Raises:
         ImportError: transformers is not installed.
-        RuntimeError: a transformers version outside :data:`SUPPORTED_TRANSFORMERS`, or a T5 attention layout this
-            patch does not know.
+        RuntimeError: a transformers version outside
+            :data:`~relbias.integrations.common.SUPPORTED_TRANSFORMERS`, or a T5 attention layout this patch does
+            not know.
         TypeError: no T5-family stack in ``model``, or stacks with another self-attention (LongT5, UDOP and
             Pix2Struct use the T5 bias with another attention or layout; the message names the class found); a
             ``process_group`` that is not a process group,

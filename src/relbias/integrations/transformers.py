@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from . import common, t5
 from .common import (  # noqa: F401 - re-exported (and the private names, for code that imported them from here)
     _MAX_VERSION,
     _MIN_VERSION,
-    SUPPORTED_TRANSFORMERS,
     _backend_names,
     _check_backend,
     _first_instance,
@@ -30,7 +30,6 @@ from .t5 import (  # noqa: F401 - re-exported; the private classes keep pickles 
     _FAMILIES,
     _MASK_IMPLEMENTATIONS,
     _STATE_ATTR,
-    ATTN_IMPLEMENTATION,
     T5PositionBias,
     _compute_bias,
     _ContextParallel,
@@ -42,6 +41,13 @@ from .t5 import (  # noqa: F401 - re-exported; the private classes keep pickles 
     relbias_t5_attention,
     unpatch_t5,
 )
+
+#: Range of transformers versions the patches support, as a pip specifier
+#: (:data:`relbias.integrations.common.SUPPORTED_TRANSFORMERS`).
+SUPPORTED_TRANSFORMERS = common.SUPPORTED_TRANSFORMERS
+#: Name of the T5 patch's attention function in transformers' ``AttentionInterface``
+#: (:data:`relbias.integrations.t5.ATTN_IMPLEMENTATION`).
+ATTN_IMPLEMENTATION = t5.ATTN_IMPLEMENTATION
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
