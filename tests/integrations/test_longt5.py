@@ -83,6 +83,18 @@ def test_encoder_outputs_equal_the_unpatched_ones_padding_included(kind, length)
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [40, 41])
+def test_unpadded_batches_without_a_mask(kind, length):
+    model = _model(kind)
+    ids, _ = _batch(length)
+    with torch.no_grad():
+        want = model.get_encoder()(input_ids=ids).last_hidden_state
+        patch_longt5(model)
+        got = model.get_encoder()(input_ids=ids).last_hidden_state
+    assert (got - want).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_gradients_equal_the_unpatched_ones(kind):
     ids, mask = _batch(41)
     labels = torch.randint(2, VOCAB, (4, 9), generator=torch.Generator().manual_seed(3))

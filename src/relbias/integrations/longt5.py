@@ -163,7 +163,9 @@ def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
     q_rows = padded.view(b, h, rows, size, d).permute(0, 3, 1, 2, 4).reshape(b * size, h, rows, d)
     k_rows = side_key[:, None].expand(b, size, h, blocks, d).reshape(b * size, h, blocks, d)
     v_rows = side_value[:, None].expand(b, size, h, blocks, d).reshape(b * size, h, blocks, d)
-    m_rows = visible[:, None, None, None, :].expand(b, size, 1, 1, blocks).reshape(b * size, 1, 1, blocks)
+    m_rows = None  # every summary visible (no padding): no mask
+    if not bool(visible.all()):
+        m_rows = visible[:, None, None, None, :].expand(b, size, 1, 1, blocks).reshape(b * size, 1, 1, blocks)
     bias = _shared_bias(patch.global_bias, patch.first.global_relative_attention_bias.weight)
     out, lse = attention(
         q_rows, k_rows, v_rows, bias=bias, mask=m_rows, convention="t5", query_start=0, key_start=0,
