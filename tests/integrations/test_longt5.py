@@ -113,6 +113,25 @@ def test_gradients_equal_the_unpatched_ones(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("length", [7, 41])
+def test_gradients_through_every_position_padding_included(kind, length):
+    """A loss over every encoder output, padded positions too: their rows' gradients are transformers' (softmax at
+    uniform weights reaches queries, keys and both tables)."""
+    ids, mask = _batch(length)
+    weights = torch.randn(4, length, 32, generator=torch.Generator().manual_seed(5))
+    grads = []
+    for patched in (False, True):
+        model = _model(kind, cls="EncoderModel").train()
+        if patched:
+            patch_longt5(model)
+        (model(input_ids=ids, attention_mask=mask).last_hidden_state * weights).sum().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    worst = max((grads[0][name] - grads[1][name]).abs().max().item() for name in grads[0])
+    scale = max(g.abs().max().item() for g in grads[0].values())
+    assert worst <= TOL * max(1.0, scale), (worst, scale)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_and_beam_tokens_are_the_unpatched_ones(kind):
     model = _model(kind)
     ids, mask = _batch(41)

@@ -35,8 +35,8 @@ Padding: transformers hides a key with ``-1e10`` added to its score. A query tha
 its own block band, and gets, as in transformers, the mean of the values of its three blocks' slots (zeros past the
 sequence's ends) — local attention — or, with TGlobal, 0 when its sequence has summaries of empty blocks (padding
 sees those; their states, keys and values are 0) and otherwise the mean of its three blocks' slots and every summary.
-The patch gives those rows the same values; their gradients reach the values only (transformers' also reach queries,
-keys and tables through softmax at uniform weights). No real token's output depends on a padded row.
+The patch gives those rows the same values and gradients (softmax at uniform weights, which reach queries, keys and
+both tables), computed over those rows' slots alone. No real token's output depends on a padded row.
 """
 
 from __future__ import annotations
@@ -124,19 +124,54 @@ def _key_mask(module: nn.Module, mask: torch.Tensor | None, length: int, local: 
     return mask != 0
 
 
-def _three_block_sums(value: torch.Tensor, block: int) -> torch.Tensor:
-    """(B, H, N, D): for each token, the sum of the values of its block of ``block`` tokens and of both neighbours
-    (transformers' three-block slots; zeros past the ends)."""
-    b, h, n, d = value.shape
-    blocks = -(-n // block)
-    padded = nn.functional.pad(value, (0, 0, 0, blocks * block - n))
-    sums = nn.functional.pad(padded.view(b, h, blocks, block, d).sum(3), (0, 0, 1, 1))  # (B, H, blocks + 2, D)
-    three = sums[:, :, :-2] + sums[:, :, 1:-1] + sums[:, :, 2:]  # (B, H, blocks, D)
-    return three.repeat_interleave(block, dim=2)[:, :, :n]
+def _padding_rows(module, patch, query, key, value, e, i, side=None, segments=None) -> torch.Tensor:
+    """Outputs (n', H, D) of the rows of padding ``(e, i)`` as transformers computes them: every score of such a row
+    is ``-1e10`` plus a finite term, so its weights are uniform over the row's slots: its three blocks' ``3 (r + 1)``
+    slots (zero keys and values past the sequence's ends) and, with TGlobal, every summary. Computed as
+    ``softmax(s - s.detach()) v`` over those slots, ``s`` the row's scores without the fill, so that values and
+    gradients are transformers' (softmax at uniform weights reaches queries, keys and tables). With TGlobal, a
+    sequence with summaries of empty blocks gives its padding 0 (those summaries are the only keys it sees; their
+    values are 0)."""
+    block = module.block_len
+    n = query.shape[2]
+    slots = (i // block - 1)[:, None] * block + torch.arange(3 * block, device=i.device)  # (n', 3 (r + 1)) positions
+    inside = ((slots >= 0) & (slots < n))[..., None, None]
+    where = slots.clamp(0, n - 1)
+    keys = key[e[:, None], :, where] * inside  # (n', 3 (r + 1), H, D)
+    values = value[e[:, None], :, where] * inside
+    row_query = query[e, :, i]  # (n', H, D)
+    first = patch.first
+
+    def table_scores(distance, table):  # the bucketed bias of ``distance`` (key - query), (n', H, slots)
+        buckets = module._relative_position_bucket(
+            distance, bidirectional=True, num_buckets=module.relative_attention_num_buckets,
+            max_distance=module.relative_attention_max_distance,
+        )
+        return table(buckets).permute(0, 2, 1)
+
+    scores = torch.einsum("nhd,nshd->nhs", row_query, keys)
+    scores = scores + table_scores(slots - i[:, None], first.relative_attention_bias)
+    values = values.permute(0, 2, 1, 3)  # (n', H, slots, D)
+    if side is not None:
+        side_key, side_value = side[0][e], side[1][e]  # (n', H, G, D)
+        blocks = side_key.shape[2]
+        distance = (torch.arange(blocks, device=i.device) + 1).expand(len(i), blocks)  # block id of padding: -1
+        side_scores = torch.einsum("nhd,nhgd->nhg", row_query, side_key)
+        side_scores = side_scores + table_scores(distance, first.global_relative_attention_bias)
+        scores = torch.cat([scores, side_scores], dim=-1)
+        values = torch.cat([values, side_value], dim=2)
+    scores = scores.float()
+    weights = torch.softmax(scores - scores.detach(), dim=-1)  # uniform, with softmax's gradient
+    out = torch.einsum("nhs,nhsd->nhd", weights.to(values.dtype), values)
+    if side is not None:
+        empty = (segments == 0).any(-1)[e]  # (n',): summaries of empty blocks, which padding sees
+        out = torch.where(empty[:, None, None], torch.zeros_like(out), out)
+    return out
 
 
 def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
-    """TGlobal's summary keys: ``(out (B, H, N, D), lse (B, H, N), side_value (B, H, G, D), segments (B, G))``."""
+    """TGlobal's summary keys: ``(out (B, H, N, D), lse (B, H, N), (side_key, side_value) (B, H, G, D) each,
+    segments (B, G))``."""
     from transformers.models.longt5.modeling_longt5 import _make_global_fixed_block_ids
 
     b, h, n, d = query.shape
@@ -155,7 +190,7 @@ def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
     visible = segments == 1  # (B, G): the summaries a real token sees
     if blocks == 0:
         empty = query.new_zeros(b, h, n, d)
-        return empty, torch.full((b, h, n), float("-inf"), device=query.device), side_value, segments
+        return empty, torch.full((b, h, n), float("-inf"), device=query.device), (side_key, side_value), segments
     # Row t of batch element e holds the queries i = c * size + t, c = 0 .. ceil(N / size) - 1: query c and summary
     # c' sit at positions c and c', so the side bias w_{b(c' - c)} is an offset bias.
     rows = -(-n // size)
@@ -193,7 +228,7 @@ def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
         out_moved = torch.einsum("nhg,nhgd->nhd", weights.to(side_value.dtype), side_value[e])
         out = out.transpose(1, 2).index_put((e, i), out_moved).transpose(1, 2)
         lse = lse.transpose(1, 2).index_put((e, i), lse_moved.to(lse.dtype)).transpose(1, 2)
-    return out, lse, side_value, segments
+    return out, lse, (side_key, side_value), segments
 
 
 def _transformers_forward(module, patch, hidden_states, mask, position_bias):
@@ -259,22 +294,15 @@ def _encoder_forward(module, patch, hidden_states, mask=None, position_bias=None
     else:
         out_local, lse_local = attention(query, key, value, return_lse=True, **call)
         mask2d = mask if mask is not None else None
-        out_global, lse_global, side_value, segments = _global_part(
+        out_global, lse_global, side, segments = _global_part(
             module, patch, hidden_states, query, mask2d, dropout, backend
         )
         out, _ = merge_partials(out_local, lse_local, out_global, lse_global)
-    if padded:  # rows of padding: transformers' values (module docstring)
-        hidden = ~real  # (B, N)
-        slots = 3 * module.block_len
-        fill = _three_block_sums(value, module.block_len)
-        if local:
-            fill = fill / slots
-        else:
-            blocks = segments.shape[-1]
-            fill = (fill + side_value.sum(2, keepdim=True)) / (slots + blocks)
-            has_empty = (segments == 0).any(-1)  # (B,): summaries of empty blocks, which padding sees
-            fill = torch.where(has_empty[:, None, None, None], torch.zeros_like(fill), fill)
-        out = torch.where(hidden[:, None, :, None], fill.to(out.dtype), out)
+    if padded:  # rows of padding: transformers' values and gradients (module docstring)
+        e, i = (~real).nonzero(as_tuple=True)
+        rows = _padding_rows(module, patch, query, key, value, e, i,
+                             None if local else side, None if local else segments)
+        out = out.transpose(1, 2).index_put((e, i), rows.to(out.dtype)).transpose(1, 2)
     out = module.o(out.transpose(1, 2).reshape(b, n, h * d))
     return out, None
 
