@@ -19,7 +19,7 @@ Usage::
 
     python benchmarks/bench_longt5.py                                  # 512 2048 4096 8192 16384 tokens, batch 1
     python benchmarks/bench_longt5.py --lengths 512 --layers 2 --repeats 1 --rounds 1     # a smoke run
-    python benchmarks/bench_longt5.py --lengths 16384 --variants unpatched patched free-attention --threads 16
+    python benchmarks/bench_longt5.py --lengths 16384 --variants unpatched patched --threads 16
 
 The ``free-attention`` variant is a bound, not a model: the patched model with every relbias call of the encoder
 returning its values unchanged (no scores, no softmax; wrong outputs), so that what remains is the encoder without
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", default=None,
                         help="relbias backend for the patched model (default: relbias.attention's default, 'auto')")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"],
+    parser.add_argument("--variants", nargs="+", default=["unpatched", "patched", "free-attention"],
                         choices=["unpatched", "patched", "free-attention"])
     parser.add_argument("--json", help="also write the raw results to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
