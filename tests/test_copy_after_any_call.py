@@ -294,7 +294,7 @@ def _t5_results(model, input_ids, attention_mask) -> dict:
 @pytest.fixture
 def attention_calls(monkeypatch):
     """Counts the patched layers' calls of relbias.attention (which then computes as usual)."""
-    integration = pytest.importorskip("relbias.integrations.t5")
+    integration = pytest.importorskip("relbias.integrations.t5_attention")
     calls = []
     real = integration.attention
 

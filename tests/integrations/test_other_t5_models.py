@@ -10,13 +10,14 @@ import torch
 
 pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras install it)")
 
-from relbias.integrations import t5 as integration  # noqa: E402
+from relbias.integrations import t5_attention as integration  # noqa: E402
+from relbias.integrations.common import check_transformers_version as _check_version  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, is_patched, patch_t5, unpatch_t5  # noqa: E402
 
 from .._tolerance import assert_rounding_close  # noqa: E402
 
 try:
-    integration.check_transformers_version()
+    _check_version()
 except RuntimeError:
     pytest.skip(f"the installed transformers is outside {SUPPORTED_TRANSFORMERS}", allow_module_level=True)
 

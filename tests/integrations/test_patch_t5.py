@@ -9,7 +9,8 @@ pytest.importorskip("transformers", reason="transformers is not installed (the '
 
 from relbias import T5Bias  # noqa: E402
 from relbias.backends import BACKENDS  # noqa: E402
-from relbias.integrations import t5 as integration  # noqa: E402
+from relbias.integrations import t5_attention as integration  # noqa: E402
+from relbias.integrations.common import check_transformers_version as _check_version  # noqa: E402
 from relbias.integrations.transformers import (  # noqa: E402
     SUPPORTED_TRANSFORMERS,
     is_patched,
@@ -20,7 +21,7 @@ from relbias.integrations.transformers import (  # noqa: E402
 from .._tolerance import assert_rounding_close  # noqa: E402
 
 try:
-    integration.check_transformers_version()
+    _check_version()
 except RuntimeError:
     pytest.skip(f"the installed transformers is outside {SUPPORTED_TRANSFORMERS}", allow_module_level=True)
 

@@ -51,7 +51,7 @@ from ..biases.t5 import T5Bias
 from ..distributed.merge import merge_partials
 from ..functional import attention
 from .common import check_backend, check_transformers_version
-from .t5 import _PatchState, install_stack, restore
+from .t5_attention import _PatchState, install_stack, restore
 
 __all__ = ["LongT5Patch", "is_longt5_patched", "longt5_holder", "patch_longt5", "unpatch_longt5"]
 
@@ -72,7 +72,7 @@ class LongT5Patch:
         global_bias: TGlobal: a bidirectional :class:`relbias.T5Bias` sharing
             ``first.global_relative_attention_bias.weight``; None for local attention.
         layers: the encoder attention modules given an instance-level ``forward``.
-        decoder: the decoder's T5 patch state (:func:`relbias.integrations.t5.install_stack`), or None.
+        decoder: the decoder's T5 patch state (:func:`relbias.integrations.t5_attention.install_stack`), or None.
     """
 
     backend: str | None

@@ -9,7 +9,8 @@ The front door: it tells the architecture and hands the model to its patch, one 
   architectures in ``bloom``, ``mpt``, ``falcon``).
 
 Imports point one way: this module imports the families, the families import the shared helpers
-(:mod:`relbias.integrations.common`, ``masks``, ``hidden_rows``, ``loading``), and no helper imports a family.
+(:mod:`relbias.integrations.common`, ``t5_attention`` (the T5 layer, also LongT5's decoder), ``alibi_common`` (the
+ALiBi layers), ``masks``, ``hidden_rows``, ``loading``), and no helper imports a family.
 Every name this module exported before the families had modules of their own is still importable from here.
 """
 
@@ -46,7 +47,7 @@ from .t5 import (  # noqa: F401 - re-exported; the private classes keep pickles 
 #: (:data:`relbias.integrations.common.SUPPORTED_TRANSFORMERS`).
 SUPPORTED_TRANSFORMERS = common.SUPPORTED_TRANSFORMERS
 #: Name of the T5 patch's attention function in transformers' ``AttentionInterface``
-#: (:data:`relbias.integrations.t5.ATTN_IMPLEMENTATION`).
+#: (:data:`relbias.integrations.t5_attention.ATTN_IMPLEMENTATION`).
 ATTN_IMPLEMENTATION = t5.ATTN_IMPLEMENTATION
 
 __all__ = [
