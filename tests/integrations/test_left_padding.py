@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from packaging.version import Version
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras)")
@@ -62,6 +63,10 @@ CASES = [("bloom", "eager"), ("mpt", "eager"), ("falcon", "eager"), ("falcon", "
 
 
 def _model(name, implementation, large):
+    if name.startswith("falcon") and implementation == "eager" and Version(transformers.__version__) < Version("5.25"):
+        # 5.24's eager Falcon adds ALiBi twice: to the scores and again through the mask it builds from ALiBi (5.25
+        # rewrote it); relbias follows 5.25's eager and every release's sdpa path, which add it once
+        pytest.skip("transformers < 5.25's eager Falcon adds the ALiBi bias twice; compared on 5.25 and on sdpa")
     torch.manual_seed(0)
     class_name, config = MODELS[name]
     return getattr(transformers, class_name)._from_config(config(large), attn_implementation=implementation).train()
