@@ -20,6 +20,7 @@ from relbias.call import make_call
 
 from .._markers import requires_inductor_vector_isa
 from .._tolerance import rounding_tolerance
+from .._window_band import band
 
 pytestmark = pytest.mark.skipif(not flex.flex_available(torch.device("cpu"), torch.float32, False)[0],
                                 reason="FlexAttention cannot run here")
@@ -28,22 +29,6 @@ B, H, D = 2, 2, 32
 WINDOWS = [(5, 2), (None, 3), (40, None), (0, 0)]
 # (Lq, Lk, query_start, key_start): several 128-row tiles per axis where the lengths allow
 BLOCKS = [(300, 300, None, 0), (150, 300, 200, 11), (21, 33, 9, 2), (5, 140, None, 0)]
-
-
-def band(lq, lk, query_start, key_start, window, is_causal):
-    """(Lq, Lk) bool: keys i - left <= j <= i + right (and j <= i when causal), written out independently."""
-    query_start = key_start + lk - lq if query_start is None else query_start
-    i = torch.arange(lq)[:, None] + query_start
-    j = torch.arange(lk)[None, :] + key_start
-    left, right = window
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if left is not None:
-        keep &= j >= i - left
-    if right is not None:
-        keep &= j <= i + right
-    if is_causal:
-        keep &= j <= i
-    return keep
 
 
 def _inputs(lq, lk, seed=0):

@@ -17,6 +17,7 @@ import relbias
 
 from ._triton_cases import require_interpreter, run
 from .._tolerance import rounding_tolerance
+from .._window_band import band
 
 require_interpreter()
 
@@ -24,22 +25,6 @@ B, H, D, DV = 2, 2, 8, 12
 WINDOWS = [(5, 2), (None, 3), (7, None), (0, 0), (19, 40)]
 # (Lq, Lk, query_start, key_start): square, fewer queries aligned to the last keys, more queries, positions apart
 BLOCKS = [(37, 37, None, 0), (20, 70, None, 0), (45, 20, None, 0), (30, 45, 40, 3)]
-
-
-def band(lq, lk, query_start, key_start, window, is_causal):
-    """(Lq, Lk) bool: keys i - left <= j <= i + right (and j <= i when causal), written out independently."""
-    query_start = key_start + lk - lq if query_start is None else query_start
-    i = torch.arange(lq)[:, None] + query_start
-    j = torch.arange(lk)[None, :] + key_start
-    left, right = window
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if left is not None:
-        keep &= j >= i - left
-    if right is not None:
-        keep &= j <= i + right
-    if is_causal:
-        keep &= j <= i
-    return keep
 
 
 def _inputs(lq, lk, *, dtype=torch.float32, seed=0):

@@ -12,26 +12,11 @@ import torch
 
 import relbias
 from relbias.backends.toeplitz import _native
+from .._window_band import band
 
 NATIVE = _native.load_native() is not None
 WINDOWS = [(3, None), (None, 2), (2, 1), (0, 0), (6, 6), (70, 9)]
 BLOCKS = [(24, 24, None, 0), (5, 40, None, 0), (21, 33, 9, 2), (130, 150, 40, 11)]  # (Lq, Lk, query_start, key_start)
-
-
-def band(lq, lk, query_start, key_start, window, is_causal):
-    """(Lq, Lk) bool: keys i - left <= j <= i + right (and j <= i when causal), written out independently."""
-    query_start = key_start + lk - lq if query_start is None else query_start
-    i = torch.arange(lq)[:, None] + query_start
-    j = torch.arange(lk)[None, :] + key_start
-    left, right = window
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if left is not None:
-        keep &= j >= i - left
-    if right is not None:
-        keep &= j <= i + right
-    if is_causal:
-        keep &= j <= i
-    return keep
 
 
 def make_bias(family, heads):

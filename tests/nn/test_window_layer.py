@@ -17,26 +17,12 @@ import relbias
 from relbias.nn import KVCache, MultiheadAttention, StaticKVCache
 
 from .._tolerance import assert_rounding_close
+from .._window_band import band
 
 E, H = 24, 3  # embed_dim, num_heads (head_dim 8)
 D = E // H
 L = 29  # tokens of the decoding runs: several turns of every rolling buffer below
 WINDOWS = [(3, 0), (2, 2), (0, 0), (4, None), (None, 1)]
-
-
-def band(lq, lk, query_start, key_start, window, is_causal):
-    """(Lq, Lk) bool, True = may attend: keys i - left <= j <= i + right (and j <= i when causal), written out."""
-    i = torch.arange(lq)[:, None] + query_start
-    j = torch.arange(lk)[None, :] + key_start
-    left, right = window
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if left is not None:
-        keep &= j >= i - left
-    if right is not None:
-        keep &= j <= i + right
-    if is_causal:
-        keep &= j <= i
-    return keep
 
 
 def make_bias(family, *, bidirectional, max_len=12):
