@@ -8,6 +8,8 @@ import torch
 
 import relbias
 
+from .._tolerance import rounding_tolerance
+
 
 def require_interpreter():
     """Skip the module unless triton is installed and the kernels load under the Triton interpreter (tests/conftest.py
@@ -33,3 +35,16 @@ def run(backend, query, key, value, bias, *, function=relbias.attention, args=()
     loss.backward()
     grads = [p.grad.clone() for p in bias.parameters() if p.requires_grad]
     return [out.detach(), lse.detach(), query.grad, key.grad, value.grad, *grads]
+
+def assert_agree(got, want, *, n, dtype=torch.float32):
+    """out, lse (-inf in the same places), dq, dk, dv and the bias table's gradient within the rounding of ``dtype``
+    over ``n`` terms; returns the largest error of each."""
+    errors = []
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dbias"], got, want):
+        if name == "lse":
+            assert torch.equal(torch.isinf(a), torch.isinf(b)), "queries with no visible key differ"
+            a, b = a.masked_fill(torch.isinf(a), 0.0), b.masked_fill(torch.isinf(b), 0.0)
+        atol, rtol = rounding_tolerance(b.float(), n=n, dtype=dtype)
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+        errors.append((a.float() - b.float()).abs().max().item())
+    return errors

@@ -11,7 +11,7 @@ import torch
 import relbias
 from relbias.biases import FAMILIES, make_bias
 
-from ._triton_cases import require_interpreter, run
+from ._triton_cases import assert_agree as _assert_agree, require_interpreter, run
 from .._tolerance import assert_rounding_close, rounding_tolerance
 
 require_interpreter()
@@ -42,15 +42,6 @@ def _bias(family, causal, max_len=64, dtype=torch.float32):
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.5)
     return bias.to(dtype)
 
-
-def _assert_agree(got, want, *, n, dtype=torch.float32):
-    """Each of out, lse, dq, dk, dv, dbias within the rounding of ``dtype`` over ``n`` terms."""
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dbias"], got, want):
-        if name == "lse":
-            assert torch.equal(torch.isinf(a), torch.isinf(b)), "queries with no visible key differ"
-            a, b = a.masked_fill(torch.isinf(a), 0.0), b.masked_fill(torch.isinf(b), 0.0)
-        atol, rtol = rounding_tolerance(b.float(), n=n, dtype=dtype)
-        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("causal", [False, True])

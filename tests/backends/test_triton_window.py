@@ -15,7 +15,7 @@ import torch
 
 import relbias
 
-from ._triton_cases import require_interpreter, run
+from ._triton_cases import assert_agree as _assert_agree, require_interpreter, run
 from .._tolerance import rounding_tolerance
 from .._window_band import band
 
@@ -43,19 +43,6 @@ def _t5(causal, dtype=torch.float32):
         bias.weight.normal_(generator=torch.Generator().manual_seed(7))
     return bias.to(dtype)
 
-
-def _assert_agree(got, want, *, n, dtype=torch.float32):
-    """out, lse (-inf in the same places), dq, dk, dv and the bias table's gradient within the rounding of ``dtype``
-    over ``n`` terms; returns the largest error of each."""
-    errors = []
-    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dbias"], got, want):
-        if name == "lse":
-            assert torch.equal(torch.isinf(a), torch.isinf(b)), "queries with no visible key differ"
-            a, b = a.masked_fill(torch.isinf(a), 0.0), b.masked_fill(torch.isinf(b), 0.0)
-        atol, rtol = rounding_tolerance(b.float(), n=n, dtype=dtype)
-        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
-        errors.append((a.float() - b.float()).abs().max().item())
-    return errors
 
 
 @pytest.mark.parametrize("causal", [False, True])
