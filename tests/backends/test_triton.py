@@ -12,7 +12,7 @@ import relbias
 from relbias.biases import FAMILIES, make_bias
 
 from ._triton_cases import assert_agree as _assert_agree, require_interpreter, run
-from .._tolerance import assert_rounding_close, rounding_tolerance
+from .._tolerance import assert_rounding_close
 
 require_interpreter()
 
