@@ -13,8 +13,8 @@ import sys
 MODULES = (
     "relbias", "relbias.nn", "relbias.distributed", "relbias.integrations.transformers", "relbias.integrations.t5",
     "relbias.integrations.t5_attention", "relbias.integrations.longt5", "relbias.integrations.common",
-    "relbias.integrations.mpnet", "relbias.integrations.alibi_decoders", "relbias.integrations.alibi_common",
-    "relbias.integrations.hidden_rows", "relbias.window",
+    "relbias.integrations.patches", "relbias.integrations.mpnet", "relbias.integrations.alibi_decoders",
+    "relbias.integrations.alibi_common", "relbias.integrations.hidden_rows", "relbias.window",
 )
 
 

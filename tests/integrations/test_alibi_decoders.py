@@ -301,8 +301,10 @@ def test_refusals_name_the_problem():
     with pytest.raises(TypeError, match="config.alibi=False"):
         patch(rotary)
     model = patch(_model("bloom"))
-    with pytest.raises(ValueError, match="already patched"):
+    with pytest.warns(UserWarning, match="already patched .* changes nothing"):
         patch_alibi(model)
+    with pytest.raises(ValueError, match="already patched .*backend='reference'"):
+        patch_alibi(model, backend="reference")
     with pytest.raises(ValueError, match="unknown backend 'nope'"):
         patch_alibi(_model("mpt"), backend="nope")
     with pytest.raises(ValueError, match="not patched by relbias"):

@@ -178,8 +178,10 @@ def test_state_dict_copies_pickles_and_errors(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     patch_longt5(model)
     assert model.state_dict().keys() == before.keys()
-    with pytest.raises(ValueError, match="already patched"):
+    with pytest.warns(UserWarning, match="already patched .* changes nothing"):
         patch_longt5(model)
+    with pytest.raises(ValueError, match="already patched .*backend='reference'"):
+        patch_longt5(model, backend="reference")
     with torch.no_grad():
         tokens = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5)
         for other in (copy.deepcopy(model), pickle.load(io.BytesIO(pickle.dumps(model)))):

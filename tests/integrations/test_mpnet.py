@@ -75,12 +75,14 @@ def test_every_head_gives_the_unpatched_outputs(kind, monkeypatch):
     assert patched.state_dict().keys() == plain.state_dict().keys()
 
 
-def test_unpatch_restores_transformers_exactly_and_patch_refuses_twice():
+def test_unpatch_restores_transformers_exactly_and_patch_twice_changes_nothing():
     plain = _model()
     patched = patch_mpnet(copy.deepcopy(plain))
     ids, mask = _batch()
-    with pytest.raises(ValueError, match="already patched"):
+    with pytest.warns(UserWarning, match="already patched .* changes nothing"):
         patch_mpnet(patched)
+    with pytest.raises(ValueError, match="backend='reference'"):
+        patch_mpnet(patched, backend="reference")
     unpatch(patched)
     assert not is_mpnet_patched(patched)
     with torch.no_grad():

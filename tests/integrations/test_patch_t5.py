@@ -262,8 +262,10 @@ def test_errors(hf, monkeypatch):
     with pytest.raises(ValueError, match="not patched"):
         unpatch_t5(model)
     patch_t5(model)
-    with pytest.raises(ValueError, match="already patched"):
+    with pytest.warns(UserWarning, match="already patched .* changes nothing"):
         patch_t5(model)
+    with pytest.raises(ValueError, match="already patched .*backend='reference'"):
+        patch_t5(model, backend="reference")
     with pytest.raises(TypeError, match="needs the relbias position bias"):
         q = torch.zeros(1, 4, 3, 8)
         integration.relbias_t5_attention(model.encoder.block[0].layer[0].SelfAttention, q, q, q, None,

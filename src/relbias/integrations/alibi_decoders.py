@@ -46,6 +46,7 @@ from .alibi_common import (  # noqa: F401 - re-exported (pickles made before the
     replace_forwards,
 )
 from .common import check_backend, check_transformers_version
+from .patches import find_patches, patched_already
 
 __all__ = [
     "ARCHITECTURES", "ALiBiPatch", "alibi_attention", "alibi_decoder", "dropout_probability", "is_alibi_patched",
@@ -73,9 +74,15 @@ def alibi_decoder(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def _patches(model: nn.Module):
+    """The ALiBi patches inside ``model`` (:func:`relbias.integrations.patches.find_patches`)."""
+    return find_patches(model, _STATE_ATTR, lambda state: isinstance(state, ALiBiPatch))
+
+
 def is_alibi_patched(model: nn.Module) -> bool:
-    """True when :func:`patch_alibi` has patched ``model`` and :func:`unpatch_alibi` has not undone it."""
-    return isinstance(getattr(model, _STATE_ATTR, None), ALiBiPatch)
+    """True when ``model`` is, or holds, a model :func:`patch_alibi` has patched and :func:`unpatch_alibi` has not
+    restored (whether the base model or a head holding it was handed to :func:`patch_alibi`)."""
+    return bool(_patches(model))
 
 
 def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
@@ -102,36 +109,47 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     Raises:
         TypeError: no BLOOM, MPT or Falcon model in ``model``; a Falcon with ``alibi=False`` (rotary embeddings,
             no relative bias).
-        ValueError: already patched; an unknown backend.
+        ValueError: an unknown backend; ``model`` is, or holds, a model patched already with another backend.
+
+    Warns:
+        UserWarning: ``model`` is, or holds, a model patched already with this backend (a head whose base model
+            was patched, a base model patched through its head, or the same model twice): nothing changes
+            (:mod:`relbias.integrations.patches`).
     """
     found = alibi_decoder(model)
     if found is None:
         raise TypeError(f"{type(model).__name__} holds no transformers BLOOM, MPT or Falcon model")
     check_transformers_version()
     name, base = found
-    if is_alibi_patched(model):
-        raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_alibi(model) first")
     check_backend(backend)
+    patched = _patches(model)
+    if patched:
+        return patched_already(model, patched[0], "patch_alibi", patched[0].state.backend, backend)
     module = _architecture(name)
     module.check(base)
     slopes = module.slopes(base)
     patch = ALiBiPatch(name, base, ALiBiBias(len(slopes), bidirectional=False, slopes=slopes), backend, [])
     module.install(base, patch)
-    setattr(model, _STATE_ATTR, patch)
+    setattr(base, _STATE_ATTR, patch)  # on the model it changes: a head holding it, or it alone, sees it
     return model
 
 
 def unpatch_alibi(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_alibi`: transformers' own attention again, exactly.
+    """Undo :func:`patch_alibi`: transformers' own attention again, exactly, in every patched model inside ``model``
+    (the base model, or the head it was patched through: either may be handed here).
+
+    Returns:
+        ``model``, unpatched.
 
     Raises:
-        ValueError: ``model`` is not patched by :func:`patch_alibi`.
+        ValueError: ``model`` neither is nor holds a model patched by :func:`patch_alibi`.
     """
-    patch = getattr(model, _STATE_ATTR, None)
-    if not isinstance(patch, ALiBiPatch):
+    patched = _patches(model)
+    if not patched:
         raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_alibi)")
-    for layer in patch.layers:
-        del layer.forward  # transformers' own forward again
-    _architecture(patch.architecture).uninstall(patch.base, patch)
-    delattr(model, _STATE_ATTR)
+    for _, holder, patch in patched:
+        for layer in patch.layers:
+            del layer.forward  # transformers' own forward again
+        _architecture(patch.architecture).uninstall(patch.base, patch)
+        delattr(holder, _STATE_ATTR)
     return model

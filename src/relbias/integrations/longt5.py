@@ -51,6 +51,7 @@ from ..biases.t5 import T5Bias
 from ..distributed.merge import merge_partials
 from ..functional import attention
 from .common import check_backend, check_transformers_version
+from .patches import find_patches, patched_already
 from .t5_attention import _PatchState, install_stack, restore
 
 __all__ = ["LongT5Patch", "is_longt5_patched", "longt5_holder", "patch_longt5", "unpatch_longt5"]
@@ -62,7 +63,8 @@ _MASK_IMPLEMENTATIONS = ("sdpa", "eager")
 
 @dataclass
 class LongT5Patch:
-    """Kept on a patched model (attribute ``_relbias_longt5_patch``) so that :func:`unpatch_longt5` can restore it.
+    """Kept on the patched model (attribute ``_relbias_longt5_patch``; the module holding the stacks) so that
+    :func:`unpatch_longt5` can restore it.
 
     Attributes:
         backend: relbias backend name, or None for :func:`relbias.attention`'s default.
@@ -100,9 +102,15 @@ def longt5_holder(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def _patches(model: nn.Module):
+    """The LongT5 patches inside ``model`` (:func:`relbias.integrations.patches.find_patches`)."""
+    return find_patches(model, _STATE_ATTR, lambda state: isinstance(state, LongT5Patch))
+
+
 def is_longt5_patched(model: nn.Module) -> bool:
-    """True when :func:`patch_longt5` has patched ``model`` and :func:`unpatch_longt5` has not undone it."""
-    return isinstance(getattr(model, _STATE_ATTR, None), LongT5Patch)
+    """True when ``model`` is, or holds, a model :func:`patch_longt5` has patched and :func:`unpatch_longt5` has not
+    restored (whether that model or a module holding it was handed to :func:`patch_longt5`)."""
+    return bool(_patches(model))
 
 
 def _shared_bias(bias: T5Bias, table: nn.Parameter) -> T5Bias:
@@ -332,16 +340,21 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         ImportError: transformers is not installed.
         RuntimeError: a transformers version outside ``SUPPORTED_TRANSFORMERS``.
         TypeError: no LongT5 stack in ``model``.
-        ValueError: already patched; an unknown backend or ``encoder_attention_type``; a decoder with an attention
-            implementation other than "sdpa" / "eager".
+        ValueError: an unknown backend or ``encoder_attention_type``; a decoder with an attention implementation
+            other than "sdpa" / "eager"; ``model`` is, or holds, a model patched already with another backend.
+
+    Warns:
+        UserWarning: ``model`` is, or holds, a model patched already with this backend (the same model twice, or a
+            wrapper of a patched model): nothing changes (:mod:`relbias.integrations.patches`).
     """
     check_transformers_version()
     holder = longt5_holder(model)
     if holder is None:
         raise TypeError(f"{type(model).__name__} holds no transformers LongT5 model (no encoder/decoder LongT5Stack)")
-    if is_longt5_patched(model):
-        raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_longt5(model) first")
     check_backend(backend)
+    patched = _patches(model)
+    if patched:
+        return patched_already(model, patched[0], "patch_longt5", patched[0].state.backend, backend)
     encoder, decoder = getattr(holder, "encoder", None), getattr(holder, "decoder", None)
     state = LongT5Patch(backend=backend, kind=None, first=None, local_bias=None, global_bias=None)
     if decoder is not None:
@@ -381,7 +394,7 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         for module in attentions:
             module.forward = functools.partial(_encoder_forward, module, state)
             state.layers.append(module)
-    setattr(model, _STATE_ATTR, state)
+    setattr(holder, _STATE_ATTR, state)  # on the module it changes: a module holding it, or it alone, sees it
     return model
 
 
@@ -389,20 +402,21 @@ def unpatch_longt5(model: nn.Module) -> nn.Module:
     """Undo :func:`patch_longt5`: transformers' own attention again, exactly.
 
     Args:
-        model: a model patched by :func:`patch_longt5`.
+        model: a model patched by :func:`patch_longt5`, or a module holding one (every patch inside it is undone).
 
     Returns:
         ``model``, unpatched.
 
     Raises:
-        ValueError: ``model`` is not patched by :func:`patch_longt5`.
+        ValueError: ``model`` neither is nor holds a model patched by :func:`patch_longt5`.
     """
-    state = getattr(model, _STATE_ATTR, None)
-    if not isinstance(state, LongT5Patch):
+    patched = _patches(model)
+    if not patched:
         raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_longt5)")
-    for module in state.layers:
-        del module.forward  # transformers' own forward again
-    if state.decoder is not None:
-        restore(state.decoder)
-    delattr(model, _STATE_ATTR)
+    for _, holder, state in patched:
+        for module in state.layers:
+            del module.forward  # transformers' own forward again
+        if state.decoder is not None:
+            restore(state.decoder)
+        delattr(holder, _STATE_ATTR)
     return model

@@ -32,6 +32,7 @@ from ..functional import attention, attention_with_weights
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import relbias_mask_from_hf
 from .common import check_backend, first_instance
+from .patches import find_patches, patched_already
 
 __all__ = ["MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "is_mpnet_patched", "mpnet_encoder", "patch_mpnet", "unpatch_mpnet"]
 
@@ -46,9 +47,16 @@ def mpnet_encoder(model: nn.Module) -> nn.Module | None:
     return first_instance(model, "mpnet.modeling_mpnet", "MPNetEncoder")
 
 
+def _patches(model: nn.Module):
+    """The MPNet patches inside ``model`` (:func:`relbias.integrations.patches.find_patches`): states
+    ``(encoder, layers, backend)``; models pickled before the backend was kept hold ``(encoder, layers)``."""
+    return find_patches(model, _STATE_ATTR, lambda state: isinstance(state, tuple))
+
+
 def is_mpnet_patched(model: nn.Module) -> bool:
-    """True when :func:`patch_mpnet` has patched ``model`` and :func:`unpatch_mpnet` has not undone it."""
-    return getattr(model, _STATE_ATTR, None) is not None
+    """True when ``model`` is, or holds, a model :func:`patch_mpnet` has patched and :func:`unpatch_mpnet` has not
+    restored (whether the encoder's model or a module holding it was handed to :func:`patch_mpnet`)."""
+    return bool(_patches(model))
 
 
 def _position_bias(encoder: nn.Module, bias: T5Bias, x: torch.Tensor, position_ids=None, num_buckets=32) -> T5Bias:
@@ -110,22 +118,29 @@ def patch_mpnet(model: nn.Module, *, backend: str | None = None) -> nn.Module:
 
     Raises:
         TypeError: no ``MPNetEncoder`` in ``model``.
-        ValueError: already patched; a table of another size than (32, num_heads) (transformers' bucketing reads 32
-            buckets whatever the config says: a table with fewer rows cannot run, one with more has rows never
-            read); an unknown backend.
+        ValueError: a table of another size than (32, num_heads) (transformers' bucketing reads 32 buckets whatever
+            the config says: a table with fewer rows cannot run, one with more has rows never read); an unknown
+            backend; ``model`` is, or holds, a model patched already with another backend.
+
+    Warns:
+        UserWarning: ``model`` is, or holds, a model patched already with this backend (a head whose base model
+            was patched, a base model patched through its head, or the same model twice): nothing changes
+            (:mod:`relbias.integrations.patches`).
     """
     encoder = mpnet_encoder(model)
     if encoder is None:
         raise TypeError(f"{type(model).__name__} holds no transformers MPNetEncoder; patch_mpnet patches MPNet models")
-    if is_mpnet_patched(model):
-        raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_mpnet(model) first")
+    check_backend(backend)
+    patched = _patches(model)
+    if patched:
+        state = patched[0].state
+        return patched_already(model, patched[0], "patch_mpnet", state[2] if len(state) > 2 else None, backend)
     table = encoder.relative_attention_bias.weight
     if tuple(table.shape) != (MPNET_BUCKETS, encoder.n_heads):
         raise ValueError(
             f"MPNet's relative_attention_bias has shape {tuple(table.shape)}; relbias patches the (32, num_heads) "
             f"table transformers' bucketing reads (relative_attention_num_buckets=32)"
         )
-    check_backend(backend)
     with torch.random.fork_rng(devices=[]):  # T5Bias draws a random table: keep the caller's stream
         bias = T5Bias(encoder.n_heads, num_buckets=MPNET_BUCKETS, max_distance=MPNET_MAX_DISTANCE, bidirectional=True)
     bias.weight = table
@@ -133,22 +148,26 @@ def patch_mpnet(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     layers = [layer.attention.attn for layer in encoder.layer]
     for layer in layers:
         layer.forward = functools.partial(_self_attention, layer, backend)
-    setattr(model, _STATE_ATTR, (encoder, layers))
+    setattr(encoder, _STATE_ATTR, (encoder, layers, backend))  # on the module it changes (module docstring)
     return model
 
 
 def unpatch_mpnet(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_mpnet`: transformers' own ``compute_position_bias`` and attention again, exactly.
+    """Undo :func:`patch_mpnet`: transformers' own ``compute_position_bias`` and attention again, exactly, in every
+    patched encoder inside ``model`` (whichever module holding it was handed to :func:`patch_mpnet`).
+
+    Returns:
+        ``model``, unpatched.
 
     Raises:
-        ValueError: ``model`` is not patched.
+        ValueError: ``model`` neither is nor holds a model patched by :func:`patch_mpnet`.
     """
-    state = getattr(model, _STATE_ATTR, None)
-    if state is None:
+    patched = _patches(model)
+    if not patched:
         raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_mpnet)")
-    encoder, layers = state
-    del encoder.compute_position_bias
-    for layer in layers:
-        del layer.forward
-    delattr(model, _STATE_ATTR)
+    for _, holder, (encoder, layers, *_) in patched:
+        del encoder.compute_position_bias
+        for layer in layers:
+            del layer.forward
+        delattr(holder, _STATE_ATTR)
     return model

@@ -35,6 +35,7 @@ from torch import nn
 
 from .common import SUPPORTED_TRANSFORMERS, check_backend, check_transformers_version
 from .loading import self_attention_modules, t5_biases_from_model
+from .patches import find_patches, patched_already
 from .t5_attention import (  # noqa: F401 - re-exported (the T5 patch's names; the private ones for pickles)
     ATTN_IMPLEMENTATION,
     T5PositionBias,
@@ -124,12 +125,18 @@ def _check_layout(attention_cls: type) -> None:
         )
 
 
+def _patches(model: nn.Module):
+    """The T5 patches inside ``model`` (:func:`relbias.integrations.patches.find_patches`)."""
+    return find_patches(model, _STATE_ATTR, lambda state: isinstance(state, _PatchState))
+
+
 def is_patched(model: nn.Module) -> bool:
-    """True when :func:`patch_t5` (or :func:`relbias.integrations.transformers.patch`) has patched ``model`` and
-    :func:`unpatch_t5` has not undone it; for LongT5, :func:`relbias.integrations.longt5.is_longt5_patched`; for
-    MPNet, :func:`relbias.integrations.mpnet.is_mpnet_patched`; for the ALiBi decoders,
+    """True when ``model`` is, or holds, a model :func:`patch_t5` (or :func:`relbias.integrations.transformers.patch`)
+    has patched and :func:`unpatch_t5` has not restored (whether that model or a head holding it was patched); for
+    LongT5, :func:`relbias.integrations.longt5.is_longt5_patched`; for MPNet,
+    :func:`relbias.integrations.mpnet.is_mpnet_patched`; for the ALiBi decoders,
     :func:`relbias.integrations.alibi_decoders.is_alibi_patched`."""
-    return isinstance(getattr(model, _STATE_ATTR, None), _PatchState)
+    return bool(_patches(model))
 
 
 def _gather_encoder_states(parallel: _ContextParallel):
@@ -239,15 +246,24 @@ def patch_t5(
             Pix2Struct use the T5 bias with another attention or layout; the message names the class found); a
             ``process_group`` that is not a process group,
             a DeviceMesh or None; a non-bool ``sync_bias_grads``.
-        ValueError: the model is already patched; an attention implementation other than "sdpa" / "eager"; an
-            unknown backend; a DeviceMesh of more than one dimension as ``process_group``.
+        ValueError: an attention implementation other than "sdpa" / "eager"; an unknown backend; a DeviceMesh of
+            more than one dimension as ``process_group``; ``model`` is, or holds, a model patched already with
+            another backend, or either patch has a ``process_group``.
+
+    Warns:
+        UserWarning: ``model`` is, or holds, a model patched already with this backend and neither patch has a
+            ``process_group`` (a head whose base model was patched, a base model patched through its head, or the
+            same model twice): nothing changes (:mod:`relbias.integrations.patches`).
     """
     check_transformers_version()
     holder, attention_cls = _stack_holder(model)
     _check_layout(attention_cls)
-    if is_patched(model):
-        raise ValueError(f"this {type(model).__name__} is already patched; call unpatch_t5(model) first")
     check_backend(backend)
+    patched = _patches(model)
+    if patched:
+        state = patched[0].state
+        return patched_already(model, patched[0], "patch_t5", state.backend, backend,
+                               same=process_group is None and state.parallel is None)
     parallel = None
     if process_group is not None:
         import torch.distributed as dist
@@ -290,27 +306,30 @@ def patch_t5(
         if hasattr(model, "generate"):
             model.generate = _refuse_generate
             state.replaced_generate = True
-    setattr(model, _STATE_ATTR, state)
+            state.generate_owner = model
+    setattr(holder, _STATE_ATTR, state)  # on the module it changes: a head holding it, or it alone, sees it
     return model
 
 
 def unpatch_t5(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch_t5`: restore every attention layer's config and ``compute_bias`` exactly.
+    """Undo :func:`patch_t5`: restore every attention layer's config and ``compute_bias`` exactly, in every patched
+    model inside ``model`` (the model patched, or a head holding it: either may be handed here).
 
     Args:
-        model: a model patched by :func:`patch_t5`.
+        model: a model patched by :func:`patch_t5`, or a module holding one.
 
     Returns:
         ``model``, computing attention with transformers' own code again.
 
     Raises:
-        ValueError: the model is not patched.
+        ValueError: ``model`` neither is nor holds a model patched by :func:`patch_t5`.
     """
-    state = getattr(model, _STATE_ATTR, None)
-    if not isinstance(state, _PatchState):
+    patched = _patches(model)
+    if not patched:
         raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch_t5)")
-    restore(state)
-    if state.replaced_generate:
-        del model.generate
-    delattr(model, _STATE_ATTR)
+    for _, holder, state in patched:
+        restore(state)
+        if state.replaced_generate:
+            del (holder if state.generate_owner is None else state.generate_owner).generate
+        delattr(holder, _STATE_ATTR)
     return model

@@ -83,7 +83,8 @@ class T5PositionBias:
 
 @dataclass
 class _PatchState:
-    """Kept on a patched model (attribute ``_relbias_t5_patch``) so that :func:`unpatch_t5` can restore it."""
+    """Kept on the patched model (attribute ``_relbias_t5_patch``; the module holding the stacks) so that
+    :func:`~relbias.integrations.t5.unpatch_t5` can restore it."""
 
     backend: str | None
     configs: list  # [(attention module, its original config)]
@@ -91,6 +92,7 @@ class _PatchState:
     parallel: _ContextParallel | None = None
     handles: list = field(default_factory=list)  # forward (pre-)hook handles (context parallelism)
     replaced_generate: bool = False  # an instance-level generate refusing under context parallelism
+    generate_owner: nn.Module | None = None  # the module given that generate (None: the one holding this state)
 
     def __setstate__(self, state: dict) -> None:
         """Unpickling a patched model (``torch.load``, ``pickle``) registers the attention function its layers name,

@@ -10,7 +10,8 @@ The front door: it tells the architecture and hands the model to its patch, one 
 
 Imports point one way: this module imports the families, the families import the shared helpers
 (:mod:`relbias.integrations.common`, ``t5_attention`` (the T5 layer, also LongT5's decoder), ``alibi_common`` (the
-ALiBi layers), ``masks``, ``hidden_rows``, ``loading``), and no helper imports a family.
+ALiBi layers), ``masks``, ``hidden_rows``, ``loading``, ``patches`` (where a patch lives)), and no helper imports a
+family.
 Every name this module exported before the families had modules of their own is still importable from here.
 """
 
@@ -86,7 +87,12 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     Raises:
         TypeError: no architecture relbias patches in ``model`` (the message lists them); and the errors of the
             patch that applies (e.g. a Falcon with rotary embeddings).
-        ValueError: as that patch (already patched, unknown backend, ...).
+        ValueError: as that patch (unknown backend, patched already with another backend, ...).
+
+    Warns:
+        UserWarning: ``model`` is, or holds, a patched model (a base model patched through its head too) with the
+            same settings: nothing changes; a second patch is never stacked on the first
+            (:mod:`relbias.integrations.patches`).
     """
     from .alibi_decoders import alibi_decoder, patch_alibi
     from .longt5 import longt5_holder, patch_longt5
@@ -112,25 +118,29 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo :func:`patch`: transformers' own attention again, exactly.
+    """Undo :func:`patch`: transformers' own attention again, exactly, in every model inside ``model`` that relbias
+    patched, whichever was handed to :func:`patch` (a base model or the head holding it), in any order
+    (:mod:`relbias.integrations.patches`).
 
     Args:
-        model: a model patched by :func:`patch` (or by one family's patch function).
+        model: a model patched by :func:`patch` (or by one family's patch function), or a module holding one.
 
     Returns:
         ``model``, unpatched.
 
     Raises:
-        ValueError: ``model`` is not patched by relbias.
+        ValueError: ``model`` neither is nor holds a model patched by relbias.
     """
     from .alibi_decoders import is_alibi_patched, unpatch_alibi
     from .longt5 import is_longt5_patched, unpatch_longt5
     from .mpnet import is_mpnet_patched, unpatch_mpnet
 
-    if is_longt5_patched(model):
-        return unpatch_longt5(model)
-    if is_mpnet_patched(model):
-        return unpatch_mpnet(model)
-    if is_alibi_patched(model):
-        return unpatch_alibi(model)
-    return unpatch_t5(model)
+    undone = False
+    for patched, undo in ((is_longt5_patched, unpatch_longt5), (is_patched, unpatch_t5),
+                          (is_mpnet_patched, unpatch_mpnet), (is_alibi_patched, unpatch_alibi)):
+        if patched(model):
+            undo(model)
+            undone = True
+    if not undone:
+        raise ValueError(f"this {type(model).__name__} is not patched by relbias (patch)")
+    return model
