@@ -46,3 +46,36 @@ def test_no_module_below_the_command_line_imports_it():
             if any(name == "relbias.cli" or name.startswith("relbias.cli.") for name in names):
                 offenders.append(str(relative))
     assert offenders == []
+
+
+#: The integration modules by layer: the front door, the ALiBi dispatcher, the families, the shared helpers.
+_INTEGRATION_LAYERS = (
+    {"transformers"},
+    {"alibi_decoders"},
+    {"t5", "longt5", "mpnet", "bloom", "mpt", "falcon"},
+    {"common", "patches", "t5_attention", "alibi_common", "masks", "hidden_rows", "loading", "__init__"},
+)
+
+
+def test_integration_imports_point_one_way():
+    """``relbias.integrations``: the front door imports the families, the families the shared helpers, never back,
+    so the modules form no import circle (a module imports only modules of a layer below its own, helpers aside)."""
+    import ast
+    import graphlib
+    from pathlib import Path
+
+    folder = Path(relbias.__file__).parent / "integrations"
+    layer = {name: depth for depth, names in enumerate(_INTEGRATION_LAYERS) for name in names}
+    assert set(layer) == {path.stem for path in folder.glob("*.py")}, "a new module needs a layer here"
+    wrong, graph = [], {}
+    for path in folder.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                targets = [node.module.split(".")[0]] if node.module else [alias.name for alias in node.names]
+                for target in targets:
+                    graph.setdefault(path.stem, set()).add(target)
+                    helpers = layer[target] == layer[path.stem] == len(_INTEGRATION_LAYERS) - 1
+                    if layer[target] <= layer[path.stem] and not helpers:
+                        wrong.append(f"{path.stem} -> {target}")
+    assert wrong == []
+    tuple(graphlib.TopologicalSorter(graph).static_order())  # CycleError where the helpers import in a circle
