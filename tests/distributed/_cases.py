@@ -123,7 +123,12 @@ REFUSALS = {
     "dtype_differs_across_ranks": ("ValueError", "dtype: ['torch.float32', 'torch.float64'"),
     "window_negative": ("ValueError", "window left must be >= 0"),
     "window_differs_across_ranks": ("ValueError", "window left (-1: none): [4, 5"),
+    # inputs refused on one rank only: that rank raises its error, the others one naming it (none waits for it)
+    "mask_wrong_shape_on_last_rank": ("ValueError", "key padding mask"),
+    "tensor_bias_on_rank_0": ("TypeError", "RelativeBias module"),
 }
+#: one-rank refusals -> the rank refusing; the other ranks' messages name it
+ONE_RANK_REFUSALS = {"mask_wrong_shape_on_last_rank": -1, "tensor_bias_on_rank_0": 0}
 
 
 def _key_padding(seq_len: int) -> torch.Tensor:
@@ -231,6 +236,10 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["scale"] = 0.5 if rank == 0 else 0.25
     elif name == "dtype_differs_across_ranks":
         q = q if rank == 0 else q.double()
+    elif name == "mask_wrong_shape_on_last_rank":
+        kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2] + (rank == world_size - 1), dtype=torch.bool)
+    elif name == "tensor_bias_on_rank_0":
+        kwargs["bias"] = torch.zeros(1, H, q.shape[2], q.shape[2]) if rank == 0 else relbias.T5Bias(H)
     elif name == "window_negative":
         kwargs["window"] = (-1, 0)
     elif name == "window_differs_across_ranks":

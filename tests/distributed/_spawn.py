@@ -51,9 +51,10 @@ def run_ranks(worker: Path, world_size: int, folder: Path, *, timeout_s: float, 
 
 
 @contextlib.contextmanager
-def rank_session(argv: list[str]):
-    """Worker side: yields ``(rank, world_size, results, save)`` inside a gloo group (45 s collective timeout);
-    ``save()`` writes ``results`` atomically to OUT_JSON; the group is destroyed however the body ends."""
+def rank_session(argv: list[str], *, timeout_s: float = 45.0, barrier: bool = True):
+    """Worker side: yields ``(rank, world_size, results, save)`` inside a gloo group (``timeout_s`` on every
+    collective); ``save()`` writes ``results`` atomically to OUT_JSON; with ``barrier``, the ranks meet before
+    ``done`` is saved; the group is destroyed however the body ends."""
     import torch
     import torch.distributed as dist
 
@@ -69,11 +70,12 @@ def rank_session(argv: list[str]):
 
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=45),
+        timeout=datetime.timedelta(seconds=timeout_s),
     )
     try:
         yield rank, world_size, results, save
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         results["done"] = True
         save()
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ._cases import REFUSALS, SUBGROUP_CASES, comparison_cases
+from ._cases import ONE_RANK_REFUSALS, REFUSALS, SUBGROUP_CASES, comparison_cases
 from ._spawn import run_ranks
 
 WORKER = Path(__file__).with_name("_worker.py")
@@ -83,3 +83,5 @@ def test_refusals(groups, world_size, name):
         raised = res.get("refusals", {}).get(name)
         assert raised is not None, f"rank {rank}: {name} was not refused"
         assert raised.startswith(kind + ":") and words in raised, raised
+        if name in ONE_RANK_REFUSALS and rank != ONE_RANK_REFUSALS[name] % world_size:
+            assert f"rank {ONE_RANK_REFUSALS[name] % world_size} of the group refused" in raised, raised

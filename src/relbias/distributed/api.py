@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..biases.base import RelativeBias
-from .agree import check_ranks_agree
+from .agree import check_ranks_agree, refuse_on_every_rank
 from .ring.plan import RingStats
 from .ring.attention import ring_attention
 from .ulysses.attention import ulysses_attention
@@ -125,7 +125,13 @@ def context_parallel_attention(
             shorter than L, ``out_of_range="error"``); a process outside ``group``; the errors of
             :func:`relbias.attention`; ranks that passed different shapes or settings (one ``all_gather`` of
             a few integers compares them before any keys travel; the message names each setting and every rank's
-            value). Every rank raises alike, before keys or values are exchanged.
+            value). Every rank raises alike, before keys or values are exchanged: where one rank's own inputs are
+            refused (a mask of the wrong shape on that rank alone), that rank raises its error and every other rank
+            the same type of error naming that rank and its message.
+        RuntimeError: an exchange that did not complete: another rank raised or stopped in the middle of the call
+            (or skipped its part of backward); each waiting rank raises when the process group's timeout
+            (``init_process_group(timeout=...)``) ends its wait, or at once when the transport sees the other
+            process gone, naming its rank and the exchange, chained to the transport's error.
 
     Example (under ``torchrun --nproc-per-node 2``)::
 
@@ -134,11 +140,14 @@ def context_parallel_attention(
         q = shard(full_q, p, r, layout="zigzag")          # (B, H, L/P, D), likewise k, v
         out = context_parallel_attention(q, k, v, bias=t5_bias, is_causal=True, layout="zigzag")
     """
-    call = check_context_parallel(
-        query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
-        group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks, sync_bias_grads=sync_bias_grads,
-        window=window,
-    )
+    try:
+        call = check_context_parallel(
+            query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
+            group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks, sync_bias_grads=sync_bias_grads,
+            window=window,
+        )
+    except (TypeError, ValueError) as refusal:  # the other ranks learn of it rather than wait for this one
+        refuse_on_every_rank(refusal, query, group)
     check_ranks_agree(call, query, value)
     if call.strategy == "ring":
         return ring_attention(call, query, key, value, stats)

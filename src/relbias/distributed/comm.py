@@ -4,25 +4,51 @@ batched point-to-point ops, an equal-split all-to-all, an all-gather, and a sum 
 No transport of our own: everything goes through ``torch.distributed`` (its process groups, ``P2POp`` /
 ``batch_isend_irecv``, ``all_to_all_single``, ``all_gather``, ``all_reduce``). Every tensor sent is made
 contiguous; bool tensors travel as uint8.
+
+A rank that raises or stops in the middle of a call leaves the others waiting for its messages; each wait ends at
+the process group's timeout (``init_process_group(timeout=...)``) or when the transport sees the peer gone, and the
+transport's error comes back as a RuntimeError that says which exchange of which rank failed and why that happens.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "RingChannel", "all_gather_seq", "all_reduce_sum", "all_to_all_dim0"]
+__all__ = ["Pending", "RingChannel", "all_gather_seq", "all_reduce_sum", "all_to_all_dim0", "exchange"]
+
+
+@contextlib.contextmanager
+def exchange(group: dist.ProcessGroup | None, what: str):
+    """Run communication of ``group``; a RuntimeError from it (a timeout, a closed connection) is raised again as
+    one naming this rank, ``what`` was exchanged, and the likely cause, chained to the transport's error."""
+    try:
+        yield
+    except RuntimeError as error:
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        raise RuntimeError(
+            f"context-parallel attention, rank {rank} of {size}: {what} did not complete ({error}); another rank "
+            f"of the group most likely raised or stopped during this call (its own error says why): every rank must "
+            f"make the same calls, forward and backward"
+        ) from error
 
 
 class Pending:
     """Tensors in flight: :meth:`wait` finishes the exchange and returns the received tensors."""
 
-    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor], bools: list[bool]) -> None:
+    def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor], bools: list[bool],
+                 channel: "RingChannel") -> None:
         self._works, self._received, self._sent, self._bools = works, received, sent, bools
+        self._channel = channel
 
     def wait(self) -> list[torch.Tensor]:
-        for work in self._works:
-            work.wait()
+        channel = self._channel
+        with exchange(channel.group, f"the ring exchange (sending to rank {channel.next}, receiving from rank "
+                                     f"{channel.prev})"):
+            for work in self._works:
+                work.wait()
         received, self._received = self._received, []
         # the send buffers may be freed once the sends completed: the works hold them too (gloo's do), so both go;
         # kept until the Pending itself is dropped, a ring step's sent dK and dV (two shard-sized tensors) outlived
@@ -55,14 +81,17 @@ class RingChannel:
         for n, (s, r) in enumerate(zip(sent, received)):
             ops.append(dist.P2POp(dist.isend, s, group=self.group, tag=tag + n, group_peer=self.next))
             ops.append(dist.P2POp(dist.irecv, r, group=self.group, tag=tag + n, group_peer=self.prev))
-        return Pending(dist.batch_isend_irecv(ops), received, sent, bools)
+        with exchange(self.group, "posting the ring exchange"):
+            works = dist.batch_isend_irecv(ops)
+        return Pending(works, received, sent, bools, self)
 
 
 def all_to_all_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """Equal-split all-to-all along dimension 0: ``tensor`` (P, ...) -> (P, ...), piece i of rank j becomes
     piece j of rank i (``torch.distributed.all_to_all_single``). Its own inverse."""
     out = torch.empty_like(tensor.contiguous())
-    dist.all_to_all_single(out, tensor.contiguous(), group=group)
+    with exchange(group, "an all-to-all"):
+        dist.all_to_all_single(out, tensor.contiguous(), group=group)
     return out
 
 
@@ -72,7 +101,8 @@ def all_gather_seq(tensor: torch.Tensor, group: dist.ProcessGroup | None, dim: i
     is_bool = tensor.dtype == torch.bool
     local = (tensor.to(torch.uint8) if is_bool else tensor).contiguous()
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, local, group=group)
+    with exchange(group, "an all-gather"):
+        dist.all_gather(parts, local, group=group)
     full = torch.cat(parts, dim=dim)
     return full.bool() if is_bool else full
 
@@ -83,7 +113,8 @@ def all_reduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None)
     if not tensors or dist.get_world_size(group) == 1:
         return tensors
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    with exchange(group, "the all-reduce of the bias gradients"):
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     out, at = [], 0
     for t in tensors:
         out.append(flat[at : at + t.numel()].view_as(t).to(t.dtype))
