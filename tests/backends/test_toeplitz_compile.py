@@ -39,17 +39,26 @@ def test_compiled_forward_and_backward_equal_eager_without_graph_breaks(is_causa
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("window", [(-1, -1), (2, -1)])  # (left, right) sides, -1 unbounded
-@pytest.mark.parametrize("values_grad", [True, False])
-def test_the_custom_ops_pass_torch_library_opcheck(values_grad, window):
-    """Schema, fake (meta) kernels against the real ones (shapes, strides, dtypes), and the autograd registration."""
+@pytest.mark.parametrize(("values_grad", "window", "padded", "dropout_p"), [
+    (True, (-1, -1), False, 0.0), (False, (-1, -1), False, 0.0), (True, (2, -1), False, 0.0),
+    (False, (2, -1), False, 0.0), (True, (-1, -1), True, 0.0), (True, (-1, -1), False, 0.3), (True, (2, -1), True, 0.3),
+])  # window: (left, right) sides, -1 unbounded; padded: a key padding row hiding the last keys and, on one head, all
+def test_the_custom_ops_pass_torch_library_opcheck(values_grad, window, padded, dropout_p):
+    """Schema, fake (meta) kernels against the real ones (shapes, strides, dtypes), and the autograd registration,
+    with and without a key padding mask and attention dropout."""
     from relbias.backends.toeplitz._kernel import toeplitz_backward, toeplitz_forward
 
     q, k, v = (torch.randn(1, 2, n, 4, dtype=torch.float64) for n in (5, 7, 7))
     values = torch.randn(7 + 5 - 1, 2, dtype=torch.float64).t().requires_grad_(values_grad)  # strided, like a lookup
-    # scale, bias_scale, delta, is_causal, block_q, tile, no dropout, the window's sides
-    settings = (0.5, 1.0, 2, True, 3, 4, 0.0, 0, 0, 0, *window)
-    torch.library.opcheck(toeplitz_forward, (q, k, v, values, None, *settings))
-    out, lse = toeplitz_forward(q, k, v, values.detach(), None, *settings)
+    padding = None
+    if padded:  # additive (Bm, Hm, Lk) rows, 0 or -inf
+        padding = torch.zeros(1, 2, 7, dtype=torch.float64)
+        padding[:, 0, 5:] = float("-inf")
+        padding[:, 1, :] = float("-inf")
+    # scale, bias_scale, delta, is_causal, block_q, tile, dropout_p, seed, query_start, key_start, the window's sides
+    settings = (0.5, 1.0, 2, True, 3, 4, dropout_p, 7, 0, 0, *window)
+    torch.library.opcheck(toeplitz_forward, (q, k, v, values, padding, *settings))
+    out, lse = toeplitz_forward(q, k, v, values.detach(), padding, *settings)
     grads = (torch.randn_like(out), torch.randn_like(lse))
-    torch.library.opcheck(toeplitz_backward, (*grads, q, k, v, values.detach(), None, out, lse, *settings, values_grad))
+    torch.library.opcheck(toeplitz_backward,
+                          (*grads, q, k, v, values.detach(), padding, out, lse, *settings, values_grad))
