@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Compile the toeplitz backend's fused C++ kernels for this machine, or load them from the cache "
         "or from an ahead-of-time build installed with the package, and print which build runs and where builds "
         "are cached. Environment: RELBIAS_NATIVE_MARCH (a -march value for the build, e.g. x86-64-v2; default "
-        "native), TORCH_EXTENSIONS_DIR or XDG_CACHE_HOME (the cache), CXX (the compiler).",
+        "native), RELBIAS_NATIVE_SANITIZE=1 (a build with AddressSanitizer and UBSan, in a cache folder of its own; "
+        "Python must run with the ASan runtime preloaded, see docs/native-kernels.md), TORCH_EXTENSIONS_DIR or "
+        "XDG_CACHE_HOME (the cache), CXX (the compiler).",
     )
     p.add_argument("--check", action="store_true",
                    help="also run a float64 forward and backward through the native kernels and compare them with "

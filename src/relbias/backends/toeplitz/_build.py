@@ -13,6 +13,9 @@ a build on first use (cached), with or without OpenMP.
    installed copy of the sources has its own build. The first build (:data:`BUILD_TIME`) is announced through
    :mod:`logging` before it starts; later processes load it (0.2 s).
    ``RELBIAS_NATIVE_MARCH`` skips the ahead-of-time modules and builds for the ``-march`` it names.
+   ``RELBIAS_NATIVE_SANITIZE=1`` skips them too and builds with AddressSanitizer and UBSan
+   (:data:`~relbias.backends.toeplitz._isa.SANITIZE_FLAGS`) into folders and a module name of its own
+   (``toeplitz_native_sanitize-...``), never mixed with the normal build.
 3. **No OpenMP** (Apple clang; clang without libomp): the compiler's refusal of ``-fopenmp`` is recognised, the
    kernels are built with ``-fopenmp-simd`` (vectorised, one thread per call: ``at::parallel_for`` runs serially
    without OpenMP), a ``RuntimeWarning`` says what to install, and later processes go straight to that build.
@@ -35,7 +38,7 @@ import torch
 
 from . import _isa as _native_isa
 
-__all__ = ["build", "build_directory", "lacks_openmp"]
+__all__ = ["asan_runtime_loaded", "build", "build_directory", "lacks_openmp"]
 
 _LOG = logging.getLogger(__name__)
 #: How long the first build takes, as the notice, the README and the docs say it (g++ 12.2, 2 cores: 51 s).
@@ -83,10 +86,11 @@ def cache_root() -> Path:
     return Path(cache) / "relbias" / "torch_extensions"
 
 
-def build_directory(tag: str) -> Path:
+def build_directory(tag: str, kind: str = "toeplitz_native") -> Path:
     """The cache folder (under :func:`cache_root`) of a build on first use whose sources and flags hash to ``tag``,
-    for this torch, Python and CPU (created)."""
-    name = (f"toeplitz_native-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    for this torch, Python and CPU (created); ``kind`` starts its name (``"toeplitz_native_sanitize"`` for a
+    sanitizer build)."""
+    name = (f"{kind}-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
             f"-cpu{_cpu_key()}-src{tag}")
     folder = cache_root() / name.replace("+", "_")
     folder.mkdir(parents=True, exist_ok=True)
@@ -120,23 +124,26 @@ def _built(folder: Path, name: str) -> bool:
     return any((folder / f"{name}{suffix}").exists() for suffix in (".so", ".pyd"))
 
 
-def _jit(openmp: bool):
-    """(module, description) built on first use (or loaded from the cache), with OpenMP or with ``-fopenmp-simd``."""
+def _jit(openmp: bool, sanitize: bool = False):
+    """(module, description) built on first use (or loaded from the cache), with OpenMP or with ``-fopenmp-simd``;
+    ``sanitize``: with the sanitizers' flags, in folders and under a module name of their own."""
     from torch.utils import cpp_extension
 
     # -fopenmp: at::parallel_for is an inline template that runs serially unless compiled with OpenMP; the
     # extension's libgomp.so.1 resolves (by soname) to the one torch loaded, so it shares torch's threads and their
     # denormal mode. -fopenmp-simd keeps the kernels' `omp simd` loops vectorised without the runtime.
     arch = _native_isa.jit_arch_flag()
-    cflags = [*_native_isa.OPT_FLAGS, arch, "-fopenmp" if openmp else "-fopenmp-simd"]
-    ldflags = ["-fopenmp"] if openmp else []
+    opt = _native_isa.SANITIZE_FLAGS if sanitize else _native_isa.OPT_FLAGS
+    cflags = [*opt, arch, "-fopenmp" if openmp else "-fopenmp-simd"]
+    ldflags = (["-fopenmp"] if openmp else []) + [f for f in opt if f.startswith("-fsanitize")]
     # the sources' folder too: ninja rebuilds when the same sources sit elsewhere (another checkout or venv), so each
     # location gets its own build (announced) rather than two of them rebuilding one folder in turn
     key = "\0".join([_native_isa.source_digest(), str(_native_isa.CSRC.resolve()), *cflags, *ldflags])
     tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    folder = build_directory(tag)
-    name = f"relbias_toeplitz_native_{tag}"
-    threads = "OpenMP" if openmp else "no OpenMP: one thread per call"
+    kind = "toeplitz_native_sanitize" if sanitize else "toeplitz_native"
+    folder = build_directory(tag, kind)
+    name = f"relbias_{kind}_{tag}"
+    threads = ("OpenMP" if openmp else "no OpenMP: one thread per call") + (", ASan + UBSan" if sanitize else "")
     described = f"built on first use ({arch}, {threads})"
     if openmp and (folder / _NO_OPENMP_MARK).exists() and not _built(folder, name):
         if (folder / _NO_OPENMP_MARK).read_text() == os.environ.get("CXX", "c++"):
@@ -156,17 +163,39 @@ def _jit(openmp: bool):
     return module, described
 
 
+#: How to run Python for a sanitizer build (docs/native-kernels.md has the details).
+SANITIZE_RUN = ('LD_PRELOAD="$(g++ -print-file-name=libasan.so) $(g++ -print-file-name=libstdc++.so.6)" '
+                'ASAN_OPTIONS=detect_leaks=0 python ...')
+
+
+def asan_runtime_loaded() -> bool:
+    """Whether AddressSanitizer's runtime is in this process (preloaded, or Python itself built with it): a sanitizer
+    build loaded without it aborts the process ("ASan runtime does not come first in initial library list")."""
+    import ctypes
+
+    try:
+        return hasattr(ctypes.CDLL(None), "__asan_init")
+    except OSError:  # no dynamic loader to ask (not Linux / macOS)
+        return False
+
+
 def build():
     """(module, description): the extension with ``toeplitz_forward``, ``toeplitz_backward`` and ``has_blas``, as
-    the module docstring's order finds it; raises what the build raised (no compiler, no ninja, a compile error)."""
-    if not os.environ.get("RELBIAS_NATIVE_MARCH", "").strip():
+    the module docstring's order finds it; raises what the build raised (no compiler, no ninja, a compile error),
+    ValueError for a ``RELBIAS_NATIVE_SANITIZE`` other than unset, ``0`` or ``1``, and RuntimeError for
+    ``RELBIAS_NATIVE_SANITIZE=1`` without the ASan runtime in the process (before anything is compiled)."""
+    sanitize = _native_isa.sanitize_requested()
+    if sanitize and not asan_runtime_loaded():
+        raise RuntimeError("RELBIAS_NATIVE_SANITIZE=1 builds the kernels with AddressSanitizer, whose runtime must be "
+                           f"loaded before Python starts: {SANITIZE_RUN}")
+    if not sanitize and not os.environ.get("RELBIAS_NATIVE_MARCH", "").strip():
         found = _aot_module()
         if found is not None:
             return found
-    found = _jit(openmp=True)
+    found = _jit(openmp=True, sanitize=sanitize)
     if found is not None:
         return found
-    found = _jit(openmp=False)
+    found = _jit(openmp=False, sanitize=sanitize)
     warnings.warn("relbias: the toeplitz kernels were built without OpenMP (the C++ compiler refused -fopenmp), "
                   "so each call runs on one thread; " + _NO_OPENMP_ADVICE.format(folder=cache_root()), RuntimeWarning,
                   stacklevel=2)

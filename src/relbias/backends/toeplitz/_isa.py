@@ -7,6 +7,8 @@ before torch or relbias are importable).
 - **Build on first use** (the default): :data:`OPT_FLAGS` and ``-march=native`` on x86 (``-mcpu=native`` on Arm),
   or ``-march=VALUE`` where the environment sets ``RELBIAS_NATIVE_MARCH=VALUE`` (e.g. ``x86-64-v2`` for a portable
   baseline).
+- **Sanitizer build** (``RELBIAS_NATIVE_SANITIZE=1``, :func:`sanitize_requested`): built on first use with
+  :data:`SANITIZE_FLAGS` in place of :data:`OPT_FLAGS`, for tests under AddressSanitizer and UBSan.
 - **Ahead of time** (``RELBIAS_BUILD_NATIVE=1`` at install): one extension module per level of :func:`aot_levels`
   (x86-64-v2, -v3 = AVX2 + FMA, -v4 = AVX-512, as defined by the x86-64 psABI; one ``armv8-a`` build on Arm), and
   :func:`run_time_level` takes the widest the CPU executes, capped by ATen's own choice
@@ -74,6 +76,27 @@ def jit_arch_flag(environ=os.environ, machine: str | None = None) -> str:
             raise ValueError(f"RELBIAS_NATIVE_MARCH must be one -march value such as x86-64-v2, got {value!r}")
         return f"-march={value}"
     return "-mcpu=native" if is_arm(machine) else "-march=native"
+
+
+#: Flags a sanitizer build (``RELBIAS_NATIVE_SANITIZE=1``) compiles and links with, after the architecture flag:
+#: AddressSanitizer and UndefinedBehaviorSanitizer, UBSan's first report aborting like ASan's (no recovery), frame
+#: pointers and debug lines for the reports' stack traces (inlined frames included). ``-O1`` in place of
+#: :data:`OPT_FLAGS`' ``-O3``: the level ASan's documentation suggests; GCC auto-vectorises no loops there, so a
+#: report names the one element read or written, and the tests still run at about half the normal build's speed.
+SANITIZE_FLAGS = ("-O1", "-g", "-fno-trapping-math", "-fsanitize=address,undefined", "-fno-omit-frame-pointer",
+                  "-fno-sanitize-recover=undefined")
+
+
+def sanitize_requested(environ=os.environ) -> bool:
+    """Whether ``RELBIAS_NATIVE_SANITIZE`` asks for a sanitizer build: ``"1"`` yes; unset, ``""`` or ``"0"`` no
+    (default). A sanitizer build is built on first use with :data:`SANITIZE_FLAGS` into a cache folder of its own
+    and needs the ASan runtime preloaded (docs/native-kernels.md).
+
+    Raises ValueError, naming the value, for anything else."""
+    value = environ.get("RELBIAS_NATIVE_SANITIZE", "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"RELBIAS_NATIVE_SANITIZE must be 1 (a sanitizer build) or 0 / unset (none), got {value!r}")
+    return value == "1"
 
 
 def source_digest() -> str:
