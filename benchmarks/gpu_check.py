@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+import traceback
 import warnings
 
 import torch
@@ -37,13 +38,16 @@ BACKENDS = (*[name for name in relbias.backends.BACKENDS if name != "reference"]
 
 
 def _run(backend, q, k, v, bias, grad_out, **kw):
+    """[out] without ``grad_out``, else [out, dq, dk, dv, d(each bias parameter)]: relbias.attention, or
+    relbias.attention_varlen where ``kw`` holds ``cu_seqlens``."""
+    function = relbias.attention_varlen if "cu_seqlens" in kw else relbias.attention
     q, k, v = (t.detach().clone().requires_grad_(grad_out is not None) for t in (q, k, v))
     if bias is not None:
         bias.zero_grad(set_to_none=True)
     if grad_out is None:
         with torch.no_grad():
-            return [relbias.attention(q, k, v, bias=bias, backend=backend, **kw).float()]
-    out = relbias.attention(q, k, v, bias=bias, backend=backend, **kw)
+            return [function(q, k, v, bias=bias, backend=backend, **kw).float()]
+    out = function(q, k, v, bias=bias, backend=backend, **kw)
     (out.float() * grad_out).sum().backward()
     grads = [q.grad, k.grad, v.grad]
     if bias is not None:
@@ -55,8 +59,8 @@ def _max_err(a, b):
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
-def equivalence(device: torch.device, small: bool) -> list[tuple[str, str, str]]:
-    """(case, backend, verdict) rows."""
+def equivalence(device: torch.device, small: bool, backends=BACKENDS) -> list[tuple[str, str, str]]:
+    """(case, backend, verdict) rows for each of ``backends``."""
     rows = []
     n = 64 if small else 512
     cases = [  # name, family, B, H, Lq, Lk, D, kwargs, mask?
@@ -65,6 +69,9 @@ def equivalence(device: torch.device, small: bool) -> list[tuple[str, str, str]]
         ("t5 Lq<Lk pos", "t5", 1, 4, n // 2, n + 96, 64, dict(is_causal=True, query_start=n + 40), False),
         ("offset pad-mask", "offset", 2, 4, n, n, 64, dict(is_causal=False), True),
         ("alibi causal", "alibi", 1, 4, n, n, 64, dict(is_causal=True), False),
+        ("t5 window pad", "t5", 2, 4, n, n, 64, dict(is_causal=False, window=(n // 8, n // 16)), True),
+        ("t5 causal win", "t5", 1, 4, n, n, 64, dict(is_causal=True, window=(n // 4 + 3, 0)), False),
+        ("t5 packed", "t5", 1, 4, n, n, 64, dict(is_causal=True, cu_seqlens=[0, n // 4, n // 4, n - 37, n]), False),
     ]
     for name, family, b, h, lq, lk, d, kw, with_mask in cases:
         bias = make_bias(family, num_heads=h, max_len=max(lq, lk) + 200, bidirectional=not kw["is_causal"]).to(device)
@@ -72,15 +79,14 @@ def equivalence(device: torch.device, small: bool) -> list[tuple[str, str, str]]
             for p in bias.parameters():
                 p.add_(0.3 * torch.randn_like(p))
         q, k, v = (torch.randn(b, h, length, d, device=device) for length in (lq, lk, lk))
-        mask = None
         if with_mask:
             mask = torch.ones(b, 1, 1, lk, dtype=torch.bool, device=device)
             mask[0, ..., lk - lk // 4 :] = False
-        kw = dict(kw, mask=mask)
+            kw = dict(kw, mask=mask)
         grad_out = torch.randn(b, h, lq, d, device=device)
         exact = _run("reference", q, k, v, bias, grad_out, **kw)
         plain = _run("reference", q.bfloat16(), k.bfloat16(), v.bfloat16(), bias, grad_out, **kw)
-        for backend in BACKENDS:
+        for backend in backends:
             verdicts = []
             for dtype in (torch.float32, torch.bfloat16):
                 qq, kk, vv = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -89,7 +95,14 @@ def equivalence(device: torch.device, small: bool) -> list[tuple[str, str, str]]
                     try:
                         got = _run(backend, qq, kk, vv, bias, grad_out if with_grad else None, **kw)
                     except (ValueError, RuntimeError, TypeError, NotImplementedError) as exc:
-                        verdicts.append(f"{label}: n/a ({str(exc).splitlines()[0][:70]})")
+                        if "cannot run" not in str(exc):  # a refusal is n/a; anything else failed
+                            traceback.print_exc()
+                        verdicts.append(f"{label}: {'n/a' if 'cannot run' in str(exc) else 'FAIL'} "
+                                        f"({str(exc).splitlines()[0][:70]})")
+                        continue
+                    except Exception as exc:  # a kernel that does not compile or launch here (triton's errors)
+                        traceback.print_exc()
+                        verdicts.append(f"{label}: FAIL ({type(exc).__name__}: {str(exc).splitlines()[0][:70]})")
                         continue
                     ref = exact if with_grad else exact[:1]
                     err = _max_err(got, ref)
@@ -145,11 +158,11 @@ def _flex_captured(bias, n: int, causal: bool, device: torch.device):
     return run
 
 
-def performance(device: torch.device, small: bool, dtype: torch.dtype) -> list[str]:
+def performance(device: torch.device, small: bool, dtype: torch.dtype, flex: bool = True) -> list[str]:
     """Lines: N, mask, mode, method, ms, x sdpa, extra MiB, x sdpa. T5 bias (B=1, H=8, D=64, unscaled scores):
     bias-free SDPA (the 1.00x baseline: FlashAttention on CUDA), SDPA with the bias materialised as its float mask,
-    the triton backend, FlexAttention with the bias captured per offset (at 8192 tokens only: it compiles per
-    shape)."""
+    the triton backend, FlexAttention with the bias captured per offset (at 8192 tokens only, and with ``flex``: it
+    compiles per shape)."""
     lines = []
     cases = [(n, True) for n in ((256,) if small else (1024, 2048, 4096, 8192, 16384))]
     cases += [(256 if small else 8192, False)]
@@ -158,9 +171,9 @@ def performance(device: torch.device, small: bool, dtype: torch.dtype) -> list[s
             bias = relbias.T5Bias(8, bidirectional=not causal).to(device)
             grad = mode == "fwdbwd"
             q, k, v = (torch.randn(1, 8, n, 64, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
-            flex = None
-            if device.type == "cuda" and n == 8192:
-                flex = _flex_captured(bias, n, causal, device)
+            captured = None
+            if flex and device.type == "cuda" and n == 8192:
+                captured = _flex_captured(bias, n, causal, device)
 
             def step(method):
                 with torch.set_grad_enabled(grad):
@@ -173,14 +186,14 @@ def performance(device: torch.device, small: bool, dtype: torch.dtype) -> list[s
                             pe = pe.masked_fill(future, float("-inf"))
                         out = F.scaled_dot_product_attention(q, k, v, attn_mask=pe, scale=1.0)
                     elif method == "flex_captured":
-                        out = flex(q, k, v)
+                        out = captured(q, k, v)
                     else:
                         out = relbias.attention(q, k, v, bias=bias, is_causal=causal, backend=method)
                     if grad:
                         out.float().sum().backward()
 
             base = None
-            methods = ["sdpa", "sdpa_bias", "triton"] + (["flex_captured"] if flex is not None else [])
+            methods = ["sdpa", "sdpa_bias", "triton"] + (["flex_captured"] if captured is not None else [])
             for method in methods:
                 try:
                     if device.type == "cuda":
@@ -258,6 +271,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (small smoke run)")
     parser.add_argument("--skip-perf", action="store_true", help="equivalence only")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), metavar="NAME",
+                        help=f"the backends to check against the reference (default: all of {', '.join(BACKENDS)}); "
+                             "FlexAttention's captured-bias timing runs only when flex is among them")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -279,7 +295,7 @@ def main(argv=None) -> int:
         print(f"  auto picks for t5 4096 causal ({'training' if grad else 'inference'}): {picked}")
     print("\nequivalence vs fp32 reference (fwd, fwd+bwd; fp32 and bf16):")
     failed = False
-    for case, backend, verdict in equivalence(device, small):
+    for case, backend, verdict in equivalence(device, small, args.backends):
         failed |= "FAIL" in verdict
         print(f"  {case:16s} {backend:10s} {verdict}")
     print(f"  [{time.time() - start:.0f} s]")
@@ -288,7 +304,7 @@ def main(argv=None) -> int:
         print(f"\ntime and peak memory vs bias-free SDPA ({str(dtype)[6:]}, B=1 H=8 D=64, T5 bias; ms median, "
               f"MiB above inputs):")
         print(f"{'N':>5} {'mask':>6} {'mode':>6} {'method':>13} {'ms':>9} {'x':>7} {'MiB':>9} {'x':>7}")
-        for line in performance(device, small, dtype):
+        for line in performance(device, small, dtype, flex="flex" in args.backends):
             print(line, flush=True)
         print(f"\nt5-base-shaped fine-tuning step ({'batch 8 x 512 / 128 tokens, bfloat16' if not small else 'tiny'}):")
         for line in finetune_step(device, small):

@@ -80,3 +80,15 @@ def test_the_device_check_passes_working_kernels_and_refuses_wrong_or_failing_on
     assert "failed on cpu (torch.float32, head_dim 32): ZeroDivisionError" in _support.kernel_check(cpu, torch.float32,
                                                                                                       32, 32)
     assert _support.kernel_check(cpu, torch.float32, 16, 16) == reason  # once per (device, dtype, head dims)
+
+
+@pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_the_device_check_passes_when_the_first_call_needs_no_gradient(monkeypatch, context):
+    """The check differentiates the kernels, so it must not inherit the caller's grad mode: an inference call under
+    torch.no_grad() or torch.inference_mode() that comes first must not turn the backend off for the process."""
+    from relbias.backends.triton import _support
+
+    monkeypatch.setattr(_support, "_CHECKED", {})
+    with context():
+        assert _support.kernel_check(torch.device("cpu"), torch.float32, 16, 8) is None
+    assert torch.is_grad_enabled()

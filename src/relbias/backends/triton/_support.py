@@ -66,8 +66,9 @@ def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_
 
     key = (device.index, dtype, head_dim, value_dim)
     if key not in _CHECKED:
-        try:
-            _CHECKED[key] = _compare(device, dtype, head_dim, value_dim)
+        try:  # the first call may come under torch.no_grad() or inference_mode(): the check differentiates
+            with torch.inference_mode(False), torch.enable_grad():
+                _CHECKED[key] = _compare(device, dtype, head_dim, value_dim)
         except Exception as error:  # the kernels do not compile or launch here
             _CHECKED[key] = (f"the Triton kernels failed on {_device_name(device)} ({dtype}, head_dim {head_dim}): "
                              f"{type(error).__name__}: {str(error).strip()[:300]}")
