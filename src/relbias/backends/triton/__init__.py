@@ -25,8 +25,9 @@ Where it runs: on CUDA, ``auto`` takes it for every call it supports once :func:
 compared the compiled kernels with the reference on that device (a failed check is a refusal ``explain_backend``
 shows, and the next backend runs). With ``TRITON_INTERPRET=1`` set before relbias loads the kernels, the Triton
 interpreter runs them on CPU tensors: ``backend="triton"`` then accepts CPU float32 and float16 calls (the
-interpreter has no bfloat16), slowly, to test the kernels without a GPU; ``auto`` never picks it on CPU. Not traced
-by torch.compile (such calls go to flex or blockwise). Saved for backward: O(B·H·L·D).
+interpreter has no bfloat16), slowly, to test the kernels without a GPU; ``auto`` never picks it on CPU. Under
+torch.compile forward and backward are ``torch.library`` custom ops (:mod:`._function`), one graph node each; the
+device check's verdict is a constant of the graph (taken when it is traced). Saved for backward: O(B·H·L·D).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from .._shared.reasons import (
     empty_axis_reasons, non_finite_reasons, offset_kernel_reasons, tensor_bias_reasons, tensor_position_reasons,
 )
 from ..base import Backend
-from ._support import device_reason, kernel_check
+from ._support import traced_device_reason, traced_kernel_check
 
 __all__ = ["BLOCK", "INTERPRETED_BLOCK", "TritonBackend", "triton_attention"]
 
@@ -68,20 +69,18 @@ class TritonBackend(Backend):
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = tensor_bias_reasons(call) + tensor_position_reasons(call, "triton")
         reasons += offset_kernel_reasons(call)
-        if torch.compiler.is_compiling():
-            reasons.append("the Triton kernels are not traced by torch.compile (flex or blockwise run compiled calls)")
         reasons += empty_axis_reasons(call, "the Triton kernels")
         largest = max(call.query.numel(), call.key.numel(), call.value.numel())
         if largest >= 2**31:
             reasons.append(f"a tensor of {largest} elements: the Triton kernels index with 32-bit offsets (below 2^31)")
         d, dv = call.query.shape[-1], call.value.shape[-1]
-        why_not = device_reason(call.query.device, call.query.dtype, d, dv)
+        why_not = traced_device_reason(call.query.device, call.query.dtype, d, dv)
         if why_not:
             reasons.append(why_not)
         if reasons:
             return reasons
         if call.query.device.type == "cuda":
-            failed = kernel_check(call.query.device, call.query.dtype, d, dv)
+            failed = traced_kernel_check(call.query.device, call.query.dtype, d, dv)
             if failed:
                 return [failed]
         return non_finite_reasons(call, "the Triton kernels")

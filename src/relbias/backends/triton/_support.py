@@ -75,6 +75,12 @@ def kernel_check(device: torch.device, dtype: torch.dtype, head_dim: int, value_
     return _CHECKED[key]
 
 
+#: :func:`kernel_check` and :func:`device_reason` as torch.compile sees them: run when the graph is traced, their
+#: verdicts constants of the graph (dynamo would otherwise trace the check's own kernels and comparisons).
+traced_kernel_check = torch.compiler.assume_constant_result(kernel_check)
+traced_device_reason = torch.compiler.assume_constant_result(device_reason)
+
+
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 

@@ -38,14 +38,16 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if longest is None or lengths[longest] == 0:
         return None
     rows = slice(bounds[longest], bounds[longest + 1])
+    throwaway = torch.Generator() if dropout_p else None  # the call's seed goes unused: each sequence draws its own
     call = make_call(query[:, :, rows], key[:, :, rows], value[:, :, rows], bias=bias, is_causal=is_causal,
                      scale=scale, convention=convention, return_lse=return_lse, dropout_p=dropout_p,
-                     generator=torch.Generator(), window=window)  # a throwaway seed: the sequences draw theirs below
+                     generator=throwaway, window=window)
     triton_backend = BACKENDS["triton"]
     reasons = (triton_backend.auto_reasons(call) if backend == "auto" else []) or \
         triton_backend.unsupported_reasons(call)
     hides_keys = is_causal or call.window is not None  # some key of a sequence hidden from some of its queries
-    if hides_keys and not reasons and not (torch.isfinite(key.sum()) and torch.isfinite(value.sum())):
+    reads = hides_keys and not reasons and not torch.compiler.is_compiling()  # a compiled graph reads no value
+    if reads and not (torch.isfinite(key.sum()) and torch.isfinite(value.sum())):
         reasons = ["a key or value holds NaN/inf, which the kernels would spread to queries of its sequence that "
                    "cannot see it"]
     if reasons:
