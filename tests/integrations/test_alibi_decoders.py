@@ -178,6 +178,37 @@ def test_static_cache_tokens_identical(name):
         assert torch.equal(model.generate(**settings, cache_implementation="static"), want)
 
 
+def test_compiled_static_cache_generation(name="bloom"):
+    """generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True)) on a left-padded batch
+    (BLOOM: transformers gives MPT no static cache, and Falcon fails with one unpatched in 5.24 and 5.25):
+    the decoding step compiles whole once (the static cache's tensor positions reach the patch as tensors, and
+    nothing branches on the mask's values), a second prompt of the same shape recompiles nothing, and the tokens
+    are unpatched eager transformers'."""
+    model = _model(name)
+    ids, mask = _batch("left")
+    other = torch.randint(1, VOCAB, ids.shape, generator=torch.Generator().manual_seed(7))
+    settings = dict(attention_mask=mask, max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    compile_config = transformers.CompileConfig(fullgraph=True, backend="aot_eager")
+    compile_config._compile_all_devices = True  # transformers compiles on CUDA only otherwise (as its own tests do)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    try:
+        with torch.no_grad():
+            want = [model.generate(x, **settings) for x in (ids, other)]
+            patch(model)
+            before = counters["stats"]["unique_graphs"]
+            got = model.generate(ids, cache_implementation="static", compile_config=compile_config, **settings)
+            compiled_graphs = counters["stats"]["unique_graphs"] - before
+            with torch.compiler.set_stance("fail_on_recompile"):
+                got_other = model.generate(other, cache_implementation="static", compile_config=compile_config,
+                                           **settings)
+    finally:
+        torch._dynamo.reset()
+    assert compiled_graphs == 1  # the decoding step, compiled whole once: not skipped, not once per position
+    assert torch.equal(got, want[0]) and torch.equal(got_other, want[1])
+    assert not torch.equal(got, got_other)
+
+
 def test_mpt_runs_past_max_seq_len_once_patched():
     """transformers' MPT cannot broadcast its (H, 1, max_seq_len) bias past max_seq_len; patched, ALiBi needs no
     table: the outputs are those of the same weights with a longer max_seq_len."""

@@ -50,14 +50,19 @@ class ALiBiPatch:
         whether the bias may be read per offset, and its rows with no visible key
         (:func:`~relbias.integrations.hidden_rows.hidden_rows`); computed once per forward (the mask object every
         layer is handed) and reused by the other layers."""
+        compiling = torch.compiler.is_compiling()  # positions may be tensors; the graph shares the work anyway
         cached = self._mask_cache
-        hit = cached is not None and hf_mask is not None and cached[0]() is hf_mask
+        hit = not compiling and cached is not None and hf_mask is not None and cached[0]() is hf_mask
         if hit and cached[1:3] == (query_start, end):
             return cached[3]
         mask, is_causal = relbias_mask_from_hf(hf_mask, is_causal=True, query_start=query_start)
-        per_offset = not counted_positions or (is_causal and (mask is None or _contiguous(mask, end)))
+        # Whether a mask's visible keys form one run is a value a compiled graph cannot branch on: it takes the
+        # general (counted) positions there, exact for any mask.
+        runs = mask is None or (not compiling and _contiguous(mask, end))
+        per_offset = not counted_positions or (is_causal and runs)
         converted = (mask, is_causal, per_offset, hidden_rows(hf_mask))
-        self._mask_cache = None if hf_mask is None else (weakref.ref(hf_mask), query_start, end, converted)
+        if not compiling:
+            self._mask_cache = None if hf_mask is None else (weakref.ref(hf_mask), query_start, end, converted)
         return converted
 
 
