@@ -8,6 +8,8 @@ names and the reasons it gives are those of the real call.
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from dataclasses import dataclass, field
 
@@ -214,9 +216,9 @@ def _all_finite(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` holds no NaN/inf. Its sum first: a reduction that allocates nothing and is finite for any
     finite tensor short of an overflow (|sum| beyond the dtype's range); only a non-finite sum pays the exact,
     allocating ``isfinite`` scan (measured on (1, 8, 8191, 64) float32 keys: 8 ms against 26 ms and its 40 MiB of
-    temporaries, on a loaded machine)."""
-    total = tensor.sum()
-    return bool(torch.isfinite(total)) or bool(torch.isfinite(tensor).all())
+    temporaries, on a loaded machine). The sum is read as a Python float: ``torch.isfinite`` on it and ``bool``
+    cost about 8 us more per tensor on a small call (measured on (1, 8, 15, 64) float32 keys, 2-core EPYC)."""
+    return math.isfinite(tensor.sum().item()) or bool(torch.isfinite(tensor).all())
 
 
 def make_call(
