@@ -9,7 +9,6 @@ names and the reasons it gives are those of the real call.
 from __future__ import annotations
 
 import math
-
 import warnings
 from dataclasses import dataclass, field
 

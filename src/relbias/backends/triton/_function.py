@@ -3,7 +3,7 @@
 As custom ops with fake (meta) implementations, a compiled model (``torch.compile(fullgraph=True)``) calls each as one
 node, forward and backward; their launches run inside it, reading no value on the host (safe to capture in a CUDA
 graph). Eager calls run the same functions through a plain ``autograd.Function``, and inference calls the forward
-alone. The settings travel as the ops' scalars, in :data:`SETTINGS` order (a :class:`._plan.Plan` without its
+alone. The settings travel as the ops' scalars, in :func:`settings` order (a :class:`._plan.Plan` without its
 tensors); the packed boundaries and seeds as tensor arguments.
 """
 
@@ -17,11 +17,7 @@ from ._bias_grad import bias_grad
 from ._forward import forward
 from ._plan import Plan
 
-__all__ = ["SETTINGS", "triton_apply", "triton_backward", "triton_forward"]
-
-#: The scalar settings of a :class:`._plan.Plan`, in the ops' order.
-SETTINGS = ("scale", "bias_scale", "lo", "hi", "delta", "query_pos", "key_pos", "dropout_p", "batch_seed", "max_len",
-            "block")
+__all__ = ["settings", "triton_apply", "triton_backward", "triton_forward"]
 
 
 def _plan(cu_seqlens, seeds, scale, bias_scale, lo, hi, delta, query_pos, key_pos, dropout_p, batch_seed, max_len,
@@ -32,7 +28,8 @@ def _plan(cu_seqlens, seeds, scale, bias_scale, lo, hi, delta, query_pos, key_po
 
 
 def settings(plan: Plan) -> tuple:
-    """``plan``'s scalars in :data:`SETTINGS` order."""
+    """``plan``'s scalars in the ops' order: scale, bias_scale, the band's lo and hi, delta, query_pos, key_pos,
+    dropout_p, batch_seed, max_len, block."""
     lo, hi = plan.band
     return (plan.scale, plan.bias_scale, lo, hi, plan.delta, plan.query_pos, plan.key_pos, plan.dropout_p,
             plan.batch_seed, plan.max_len, plan.block)

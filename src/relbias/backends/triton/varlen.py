@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...biases.base import RelativeBias
-from ...call import _dropout, make_call
+from ...call import _all_finite, _dropout, make_call
 
 __all__ = ["packed_attention"]
 
@@ -47,7 +47,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         triton_backend.unsupported_reasons(call)
     hides_keys = is_causal or call.window is not None  # some key of a sequence hidden from some of its queries
     reads = hides_keys and not reasons and not torch.compiler.is_compiling()  # a compiled graph reads no value
-    if reads and not (torch.isfinite(key.sum()) and torch.isfinite(value.sum())):
+    if reads and not (_all_finite(key) and _all_finite(value)):
         reasons = ["a key or value holds NaN/inf, which the kernels would spread to queries of its sequence that "
                    "cannot see it"]
     if reasons:
