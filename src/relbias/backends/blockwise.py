@@ -119,6 +119,7 @@ class BlockwiseBackend(Backend):
     """Tiled attention in plain PyTorch: every bias module and mask, any device and dtype."""
 
     name = "blockwise"
+    repeatable = True
     summary = "tiled attention in PyTorch (online softmax, recomputing backward): any device, dtype, bias module and mask; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:

@@ -46,6 +46,7 @@ class ReferenceBackend(Backend):
     """The oracle: every call, with the (B, H, Lq, Lk) scores materialised."""
 
     name = "reference"
+    repeatable = True
     summary = "the reference materialises the (B, H, Lq, Lk) scores: runs every call, memory O(B·H·Lq·Lk)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:

@@ -15,10 +15,18 @@ from .structured import StructuredBackend
 from .toeplitz import ToeplitzBackend
 from .triton import TritonBackend
 
-__all__ = ["BACKENDS", "register_backend", "unregister_backend"]
+__all__ = ["BACKENDS", "generation", "register_backend", "unregister_backend"]
 
 #: name -> backend, in priority order (dicts keep insertion order).
 BACKENDS: dict[str, Backend] = {}
+
+_generation = [0]  # changes with every registration and removal
+
+
+def generation() -> int:
+    """A number that changes whenever :data:`BACKENDS` does (through :func:`register_backend` or
+    :func:`unregister_backend`): what was decided against the registry holds while it is unchanged."""
+    return _generation[0]
 
 
 def register_backend(backend: Backend, *, before: str | None = None) -> None:
@@ -46,6 +54,7 @@ def register_backend(backend: Backend, *, before: str | None = None) -> None:
     items.insert(at, (name, backend))
     BACKENDS.clear()
     BACKENDS.update(items)
+    _generation[0] += 1
 
 
 def unregister_backend(name: str) -> Backend:
@@ -56,6 +65,7 @@ def unregister_backend(name: str) -> Backend:
     """
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; registered: {list(BACKENDS)}")
+    _generation[0] += 1
     return BACKENDS.pop(name)
 
 

@@ -298,6 +298,7 @@ class FlexBackend(Backend):
     """FlexAttention with the bias in ``score_mod``: offset-only biases, any mask; forward only on CPU."""
 
     name = "flex"
+    repeatable = True
     summary = "FlexAttention (torch.compile, per length bucket) with the bias looked up per score; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:

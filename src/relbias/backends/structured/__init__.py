@@ -64,6 +64,7 @@ class StructuredBackend(Backend):
     """Far-constant biases: bias-free fused attention far from the diagonal plus a tiled band."""
 
     name = "structured"
+    repeatable = True
     summary = "far-constant bias: fused bias-free far parts (CPU flash kernel) plus a tiled band, merged by log-sum-exp; memory O(N·D)"
 
     def unsupported_reasons(self, call: AttentionCall) -> list[str]:

@@ -74,6 +74,7 @@ class ToeplitzBackend(Backend):
     """Offset-only biases: the bias as a strided Toeplitz view, the additive mask of fused CPU flash attention."""
 
     name = "toeplitz"
+    repeatable = True
     summary = (
         "offset-only bias read from its per-offset values, no mask or a bool key padding mask, dropout inside the "
         "native kernels: fused C++ FlashAttention-2 forward and backward (built on first use; else PyTorch's CPU "

@@ -55,6 +55,7 @@ class TritonBackend(Backend):
     """Offset-only biases on CUDA: Triton FlashAttention-2 kernels reading the bias per offset."""
 
     name = "triton"
+    repeatable = True
     summary = (
         "offset-only bias read from its per-offset values, no mask or a bool key padding mask, dropout and packed "
         "sequences inside the kernels: fused Triton FlashAttention-2 forward and backward with a deterministic bias "

@@ -1,0 +1,115 @@
+"""Repeated inference calls: validation and the backend choice made once per call signature.
+
+The layers of a decoder call :func:`relbias.attention` with the same shapes, dtypes, devices, bias module and options
+at every decoding step, and a benchmark or a serving loop repeats one call. Everything
+:func:`relbias.call.make_call` checks and :func:`relbias.dispatch.resolve_backend` decides for such a call follows
+from that signature, except what reads values, which every repeat reads again:
+
+* the bias module's parameters and buffers: their :meth:`~relbias.RelativeBias.state_stamp` (storage, autograd
+  version counter and dtype of each) must equal the one taken when the signature was validated, whose finiteness
+  check it stands for (a parameter written in place, replaced or cast sends the call down the full path);
+* NaN/inf in keys or values that some query cannot see
+  (:attr:`~relbias.call.AttentionCall.hidden_keys_finite`): read on every repeat of a signature that hides keys; a
+  non-finite one sends the call down the full path, which chooses a backend that confines it.
+
+A repeat then costs a dictionary lookup, the stamp and the backend's forward. Kept are inference calls (grad mode
+off, outside ``torch.compile``) without a mask, dropout, window, grouped-query heads or tensor positions, whose
+arguments have exactly the types validation accepted (plain tensors, bools, ints, floats, strs), and only where every
+backend consulted is :attr:`~relbias.backends.base.Backend.repeatable` (its reasons read nothing but the signature,
+the bias state and ``hidden_keys_finite``); every other call takes the full path. A change to the registry of
+backends forgets every signature. The memo holds the bias module by weak reference and at most
+:data:`MAX_SIGNATURES` signatures (a growing KV cache makes one per decoding step, shared by its layers).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from .backends import registry
+from .backends.base import Backend
+from .biases.base import RelativeBias
+from .call import SIGNATURE_DERIVED, AttentionCall
+
+__all__ = ["MAX_SIGNATURES", "forget", "recall", "remember", "signature"]
+
+#: Signatures kept; the oldest is dropped first.
+MAX_SIGNATURES = 64
+
+#: signature -> (bias weakref or None, registry generation, backend, alignment, convention, scale, is_causal,
+#: bias stamp, hides keys, derived values)
+_PLANS: dict[tuple, tuple] = {}
+_LOCK = threading.Lock()  # for remember's eviction; recall reads without it (one dict lookup)
+
+_Tensor = torch.Tensor
+_NUMBERS = (float, int)
+
+
+def signature(query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start, backend,
+              return_lse, dropout_p, generator, attn_mask, enable_gqa, window) -> tuple | None:
+    """The memo key of a call to :func:`relbias.attention` (its arguments, in its order), or None for a call that is
+    not kept (see the module's docstring). Reads no tensor value."""
+    if (mask is not None or attn_mask is not None or window is not None or generator is not None
+            or enable_gqa is not False or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+        return None
+    if not (type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor):
+        return None
+    if not ((is_causal is True or is_causal is False) and (return_lse is True or return_lse is False)
+            and type(dropout_p) in _NUMBERS and dropout_p == 0 and type(key_start) is int
+            and (query_start is None or type(query_start) is int) and (scale is None or type(scale) in _NUMBERS)
+            and (convention is None or type(convention) is str) and type(backend) is str
+            and (bias is None or isinstance(bias, RelativeBias))):
+        return None
+    return (id(bias), query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+            key.device, value.device, is_causal, scale, convention, query_start, key_start, backend, return_lse,
+            torch.is_inference_mode_enabled())
+
+
+def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
+           bias: RelativeBias | None, return_lse: bool) -> tuple[Backend, AttentionCall] | None:
+    """``(backend, call)`` for a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when
+    the signature is not kept or the values it cannot vouch for changed (the bias state, NaN/inf in hidden keys)."""
+    plan = _PLANS.get(key)
+    if plan is None:
+        return None
+    ref, generation, backend, alignment, convention, scale, is_causal, stamp, hides, derived = plan
+    if generation != registry.generation() or (ref is not None and ref() is not bias):
+        return None
+    if bias is not None and bias.state_stamp() != stamp:
+        return None
+    call = AttentionCall(query, key_, value, bias, None, is_causal, convention, scale, alignment, return_lse)
+    call._cache.update(derived)
+    if hides and not call.hidden_keys_finite:
+        return None
+    return backend, call
+
+
+def remember(key: tuple, name: str, backend: Backend, call: AttentionCall) -> None:
+    """Keep the validated ``call`` and the ``backend`` that runs it, chosen for ``backend=name``, under the signature
+    ``key`` (:func:`signature`), where every backend consulted is repeatable."""
+    names = list(registry.BACKENDS)
+    consulted = names[: names.index(backend.name) + 1] if name == "auto" else [backend.name]
+    if not all(registry.BACKENDS[n].repeatable for n in consulted):
+        return
+    hides = call.hides_keys
+    if hides and not call._cache.get("hidden_keys_finite", True):  # chosen around NaN/inf: not the signature's choice
+        return
+    bias = call.bias
+    derived = {n: call._cache[n] for n in SIGNATURE_DERIVED if n in call._cache}
+    if not hides:
+        derived["hidden_keys_finite"] = True
+    plan = (
+        None if bias is None else weakref.ref(bias), registry.generation(), backend, call.alignment, call.convention,
+        call.scale, call.is_causal, call._cache.get("bias_stamp") if bias is not None else None, hides, derived,
+    )
+    with _LOCK:
+        while len(_PLANS) >= MAX_SIGNATURES:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = plan
+
+
+def forget() -> None:
+    """Drop every kept signature."""
+    _PLANS.clear()

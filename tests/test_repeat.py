@@ -1,0 +1,160 @@
+"""relbias._repeat: an inference call repeated with one signature skips validation and dispatch, and still refuses
+or reroutes whatever the first call would have: changed bias parameters, NaN/inf in hidden keys, bad arguments."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import relbias
+from relbias import _repeat
+from relbias.backends import BACKENDS, register_backend, unregister_backend
+from relbias.backends.reference import ReferenceBackend
+
+
+@pytest.fixture(autouse=True)
+def _fresh_memo():
+    _repeat.forget()
+    yield
+    _repeat.forget()
+
+
+def _qkv(lq=1, lk=24, heads=4, dim=8, dtype=torch.float32):
+    return (torch.randn(2, heads, lq, dim, dtype=dtype), torch.randn(2, heads, lk, dim, dtype=dtype),
+            torch.randn(2, heads, lk, dim, dtype=dtype))
+
+
+def _reference(q, k, v, **kwargs):
+    return relbias.attention(q, k, v, backend="reference", **kwargs)
+
+
+def test_a_repeated_inference_call_is_kept_and_gives_the_first_calls_output():
+    q, k, v = _qkv(lq=4)
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        first = relbias.attention(q, k, v, bias=bias, is_causal=True)
+        assert len(_repeat._PLANS) == 1
+        again = relbias.attention(q, k, v, bias=bias, is_causal=True)
+        expected = _reference(q, k, v, bias=bias, is_causal=True)
+    assert torch.equal(first, again)  # one code path twice
+    torch.testing.assert_close(again, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_calls_that_need_gradients_or_carry_a_mask_or_dropout_are_not_kept():
+    q, k, v = _qkv(lq=4)
+    bias = relbias.T5Bias(num_heads=4)
+    relbias.attention(q, k, v, bias=bias)  # grad mode on
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, mask=torch.ones(24, dtype=torch.bool))
+        relbias.attention(q, k, v, bias=bias, window=(3, 3))
+        relbias.attention(q, k, v, bias=bias, dropout_p=0.1)
+    assert not _repeat._PLANS
+
+
+def test_a_parameter_written_in_place_is_checked_again():
+    q, k, v = _qkv()
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias)
+        bias.weight.add_(1.0)  # finite: the new values are read
+        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
+                                   atol=1e-5, rtol=1e-5)
+        bias.weight[3, 1] = float("nan")
+        with pytest.raises(ValueError, match="holds nan"):
+            relbias.attention(q, k, v, bias=bias)
+
+
+def test_a_replaced_parameter_is_read():
+    q, k, v = _qkv()
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias)
+        bias.weight = torch.nn.Parameter(torch.randn_like(bias.weight))
+        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_nan_in_a_hidden_key_on_a_repeat_stays_with_the_queries_that_see_it():
+    q, k, v = _qkv(lq=6, lk=6)  # causal, queries on keys 0..5: key 5 is hidden from queries 0..4
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, is_causal=True)
+        assert len(_repeat._PLANS) == 1
+        v[:, :, 5] = float("nan")
+        out = relbias.attention(q, k, v, bias=bias, is_causal=True)
+        expected = _reference(q, k, v, bias=bias, is_causal=True)
+    assert torch.isfinite(out[:, :, :5]).all() and torch.isnan(out[:, :, 5]).all()
+    torch.testing.assert_close(out[:, :, :5], expected[:, :, :5], atol=1e-5, rtol=1e-5)
+
+
+def test_a_signature_first_seen_with_nan_in_hidden_keys_is_not_kept():
+    q, k, v = _qkv(lq=6, lk=6)
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    v[:, :, 5] = float("nan")
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, is_causal=True)  # blockwise confines the NaN
+    assert not _repeat._PLANS  # a later finite call chooses afresh (the decode kernel)
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(is_causal=1), TypeError), (dict(return_lse=1), TypeError), (dict(scale=True), ValueError),
+    (dict(dropout_p=False), ValueError), (dict(query_start=True), TypeError), (dict(key_start=False), TypeError),
+])
+def test_arguments_equal_to_a_kept_signatures_but_of_another_type_are_refused(bad, error):
+    q, k, v = _qkv()
+    bias = relbias.PerOffsetBias(max_len=64, num_heads=4, bidirectional=False, init_std=0.1)  # "seed": scaled
+    kept = dict(is_causal=True, return_lse=True, scale=1, dropout_p=0, query_start=1, key_start=0)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, **kept)
+        assert len(_repeat._PLANS) == 1
+        with pytest.raises(error):
+            relbias.attention(q, k, v, bias=bias, **{**kept, **bad})
+
+
+def test_registering_a_backend_forgets_the_kept_choices():
+    q, k, v = _qkv()
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    ran = []
+
+    class First(ReferenceBackend):
+        name = "first_for_test"
+
+        def forward(self, call):
+            ran.append(call)
+            return super().forward(call)
+
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias)
+        register_backend(First(), before=next(iter(BACKENDS)))
+        try:
+            relbias.attention(q, k, v, bias=bias)
+            relbias.attention(q, k, v, bias=bias)
+        finally:
+            unregister_backend("first_for_test")
+    assert len(ran) == 2  # not the kept decode choice, and not kept itself (not repeatable)
+
+
+def test_another_bias_module_never_takes_a_kept_signature():
+    q, k, v = _qkv()
+    first = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=first)
+        (signature,) = _repeat._PLANS
+        other = relbias.T5Bias(num_heads=4, bidirectional=True)  # another module, with the same parameter
+        other.weight = first.weight
+        assert _repeat.recall(signature, q, k, v, other, False) is None  # as if it had first's id
+        assert _repeat.recall(signature, q, k, v, first, False) is not None
+        del first
+        gc.collect()
+        assert _repeat.recall(signature, q, k, v, other, False) is None
+
+
+def test_the_memo_is_bounded():
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        for lk in range(1, _repeat.MAX_SIGNATURES + 10):
+            q, k, v = _qkv(lk=lk)
+            relbias.attention(q, k, v, bias=bias)
+    assert len(_repeat._PLANS) == _repeat.MAX_SIGNATURES
