@@ -79,13 +79,18 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     if not bias.offset_only:
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start)  # (Hb, Lq, Lk)
         return (pe.to(dtype) * call.bias_scale)[None]
-    return _rows(_reversed(call, dtype), call)  # future offsets -inf, as ``visible`` masks them anyway
+    return _rows(_reversed(call).to(dtype), call)  # future offsets -inf, as ``visible`` masks them anyway
 
 
-def _reversed(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
-    """``w`` (Hb, Lq + Lk - 1) in ``dtype`` for an offset-only bias: the scaled per-offset values reversed, -inf at a
-    causal call's future offsets; a view into the bias's table (:func:`reversed_rows`), shared by every layer and
-    step, else computed once per native form, which a decoder's layers share within a step."""
+def _reversed(call: AttentionCall) -> torch.Tensor:
+    """``w`` (Hb, Lq + Lk - 1) in the dtype of ``call.query`` for an offset-only bias: the scaled per-offset values
+    reversed, -inf at a causal call's future offsets; a view into the bias's table (:func:`reversed_rows`), shared by
+    every layer and step, else computed once per native form, which a decoder's layers share within a step. Kept in
+    the call's ``"decode_reversed"`` entry, which a repeat of the call's signature starts with."""
+    return call._cached("decode_reversed", lambda: _compute_reversed(call, call.query.dtype))
+
+
+def _compute_reversed(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
     w = reversed_rows(call, dtype)
     if w is not None:
         return w
@@ -147,12 +152,13 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     module = _toeplitz_native.loaded_native(query)
     if module is None:
         return None
-    w = _reversed(call, query.dtype)
+    w = _reversed(call)
     a = call.alignment
-    left, right = kernel_sides(call.window, a.min_offset, a.max_offset)
+    left, right = (-1, -1) if call.window is None else kernel_sides(call.window, a.min_offset, a.max_offset)
+    # positional: pybind11 spends about 1.3 us matching keyword arguments (a decoding step's kernel takes about 10)
     out, lse = module.toeplitz_forward(query, key, value, w, call.scale, call.delta, call.is_causal,
                                        _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True,
-                                       window_left=left, window_right=right)
+                                       None, 0.0, 0, 0, 0, left, right)  # no padding, no dropout; the window
     return out, lse
 
 
@@ -160,6 +166,7 @@ class DecodeBackend(Backend):
     """Few queries against any number of keys: the bias rows read by one fused kernel call."""
 
     name = "decode"
+    repeatable = True
     summary = (
         f"few queries (at most {MAX_QUERIES}): the bias rows read by one fused kernel call (relbias' native "
         f"toeplitz forward, or CPU flash attention with the rows as its mask), as fast as bias-free attention; "

@@ -162,6 +162,9 @@ class RelativeBias(nn.Module):
         """What identifies the current values of :meth:`state_tensors` (``tensors``, when the caller has them): each
         tensor's storage, autograd version counter and dtype. It changes when a parameter or buffer is written in
         place, replaced or cast; O(number of tensors), no value read."""
+        if tensors is None and not self._modules:  # every built-in family: read directly (a repeated call's check)
+            return [(t.data_ptr(), t._version, t.dtype) for group in (self._parameters, self._buffers)
+                    for t in group.values() if t is not None]
         tensors = self.state_tensors() if tensors is None else tensors
         return [(t.data_ptr(), t._version, t.dtype) for t in tensors]
 

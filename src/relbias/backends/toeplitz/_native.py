@@ -110,9 +110,12 @@ def loaded_native(query: torch.Tensor):
     return load_native() if _takes(query) else None
 
 
+_NATIVE_DTYPES = (torch.float32, torch.float64)
+
+
 def _takes(query: torch.Tensor) -> bool:
     """Whether the native kernels take a call on ``query``'s dtype and device: CPU float32 / float64."""
-    return query.dtype in (torch.float32, torch.float64) and query.device.type == "cpu"
+    return query.is_cpu and query.dtype in _NATIVE_DTYPES  # is_cpu: a decoding step's check, without a device object
 
 
 def _module(what: str):
