@@ -10,18 +10,22 @@ Per-call latency (ms, median of ``--calls`` calls after a warm-up, the methods i
 * ``relbias``: ``relbias.attention`` with ``backend="auto"``, causal, the queries at the last positions;
 
 for Lq in ``--queries`` (default 1) and Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, float32, causal ``T5Bias``),
-inference; then tokens/s of greedy ``generate``
-of a t5-small-shaped ``T5ForConditionalGeneration`` (random weights, built from a config: no download), patched
-and unpatched, at 512 and 4096 input tokens (encoding included; the best of ``--rounds`` interleaved runs), with
-identical tokens checked. Prints the load average before and after; run it on an otherwise idle machine.
+inference; then tokens/s of greedy ``generate`` (``--new-tokens`` tokens; the prompt's forward included) of a
+t5-small-shaped ``T5ForConditionalGeneration`` and a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random
+weights, built from configs: no download) at 512 and 4096 input tokens: unpatched, patched, and the bound (patched,
+with the attention call returning its query: what the model costs when attention costs nothing), interleaved in one
+process, the best of ``--rounds`` rounds each, with identical tokens checked. ``share of bound`` is
+``(unpatched/patched - 1) / (unpatched/bound - 1)``: the part of the most any attention could gain that the patch
+gains. Prints the load average before and after; run it on an otherwise idle machine.
 
     python benchmarks/bench_decode.py [--queries 1 16 128] [--lengths 128 512 2048 8192] [--inputs 512 4096]
-        [--new-tokens 32]
+        [--models t5 bloom] [--new-tokens 32]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import time
@@ -83,38 +87,85 @@ def decode_steps(queries: list[int], lengths: list[int], calls: int) -> None:
                   f"{ms['relbias'] / ms['sdpa']:>12.2f}x {ms['row'] / ms['relbias']:>11.2f}x  {name}")
 
 
-def generation(inputs: list[int], new_tokens: int, rounds: int) -> None:
+def _models(family: str):
+    """(unpatched, patched) copies of one model with random weights (seed 0), built from a config (no download):
+    ``t5``: a t5-small-shaped ``T5ForConditionalGeneration``; ``bloom``: a bloom-560m-shaped ``BloomForCausalLM``
+    with 6 layers and a 1024-token vocabulary."""
     import transformers
 
-    from relbias.integrations.transformers import patch_t5
+    from relbias.integrations.transformers import patch
 
-    config = transformers.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8, vocab_size=32128,
-                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
     torch.manual_seed(0)
-    plain = transformers.T5ForConditionalGeneration(config).eval()
-    patched = patch_t5(transformers.T5ForConditionalGeneration(config).eval())
+    if family == "t5":
+        config = transformers.T5Config(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8, vocab_size=32128,
+                                       decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+        build = transformers.T5ForConditionalGeneration
+    else:
+        config = transformers.BloomConfig(vocab_size=1024, hidden_size=1024, n_layer=6, n_head=16)
+        build = transformers.BloomForCausalLM
+    plain = build(config).eval()
+    patched = patch(build(config).eval())
     patched.load_state_dict(plain.state_dict())
-    print(f"{'input tokens':>12} {'unpatched tok/s':>16} {'patched tok/s':>14} {'patched/unpatched':>18}  same tokens")
-    for n in inputs:
-        ids = torch.randint(2, 32000, (1, n), generator=torch.Generator().manual_seed(n))
-        settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-        rates, outs = {}, {}
-        with torch.no_grad():
-            for name, model in (("plain", plain), ("patched", patched)) * rounds:
-                start = time.perf_counter()
-                outs[name] = model.generate(ids, **settings)
-                rate = new_tokens / (time.perf_counter() - start)
-                rates[name] = max(rates.get(name, 0.0), rate)  # best of the rounds, interleaved
-        same = torch.equal(outs["plain"], outs["patched"])
-        print(f"{n:>12} {rates['plain']:>16.1f} {rates['patched']:>14.1f} {rates['patched'] / rates['plain']:>17.2f}x  {same}")
+    return plain, patched
+
+
+class _FreeAttention:
+    """While active, the patched layers' attention call returns its query (B, H, Lq, D): attention costs nothing,
+    everything around it (projections, feed-forward, cache, masks, relbias' per-layer bookkeeping) runs as patched."""
+
+    def __enter__(self):
+        from relbias.integrations import alibi_common, t5_attention
+
+        self.saved = [(m, m.attention) for m in (alibi_common, t5_attention)]
+        for module, _ in self.saved:
+            module.attention = lambda query, key, value, **kwargs: query
+        return self
+
+    def __exit__(self, *exc):
+        for module, function in self.saved:
+            module.attention = function
+
+
+def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: int) -> None:
+    """Greedy ``generate`` of each family, unpatched, patched, and patched with attention free (the bound), the three
+    interleaved for ``rounds`` rounds in this process (the best round of each reported); identical tokens checked."""
+    print(f"{'model':>6} {'input':>6} {'unpatched tok/s':>16} {'patched tok/s':>14} {'bound tok/s':>12} "
+          f"{'unpatched/patched':>18} {'unpatched/bound':>16} {'share of bound':>15}  same tokens")
+    for family in families:
+        plain, patched = _models(family)
+        for n in inputs:
+            vocabulary = 32000 if family == "t5" else 1024
+            ids = torch.randint(2, vocabulary, (1, n), generator=torch.Generator().manual_seed(n))
+            settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                            attention_mask=torch.ones_like(ids))
+            seconds, outs = {}, {}
+            with torch.no_grad():
+                for _ in range(rounds):
+                    for name, model in (("unpatched", plain), ("patched", patched), ("bound", patched)):
+                        with _FreeAttention() if name == "bound" else contextlib.nullcontext():
+                            start = time.perf_counter()
+                            out = model.generate(ids, **settings)
+                            elapsed = time.perf_counter() - start
+                        seconds[name] = min(seconds.get(name, float("inf")), elapsed)
+                        if name != "bound":
+                            outs[name] = out
+            rate = {name: new_tokens / s for name, s in seconds.items()}
+            gain, most = seconds["unpatched"] / seconds["patched"], seconds["unpatched"] / seconds["bound"]
+            share = (gain - 1) / (most - 1) if most > 1 else float("nan")
+            same = torch.equal(outs["unpatched"], outs["patched"])
+            print(f"{family:>6} {n:>6} {rate['unpatched']:>16.1f} {rate['patched']:>14.1f} {rate['bound']:>12.1f} "
+                  f"{gain:>17.2f}x {most:>15.2f}x {share:>15.2f}  {same}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--queries", type=int, nargs="+", default=[1], help="queries per call Lq (default 1)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048, 8192], help="cached keys Lk")
+    parser.add_argument("--lengths", type=int, nargs="*", default=[128, 512, 2048, 8192],
+                        help="cached keys Lk (none: no per-call table)")
     parser.add_argument("--calls", type=int, default=200, help="timed calls per method (median reported)")
     parser.add_argument("--inputs", type=int, nargs="*", default=[512, 4096], help="input tokens for generate")
+    parser.add_argument("--models", nargs="+", choices=("t5", "bloom"), default=["t5", "bloom"],
+                        help="model families for generate (default both)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy new tokens per generate")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved generate rounds per model (best reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -122,9 +173,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"bench_decode: torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()}")
-    decode_steps(args.queries, args.lengths, args.calls)
+    if args.lengths:
+        decode_steps(args.queries, args.lengths, args.calls)
     if args.inputs:
-        generation(args.inputs, args.new_tokens, args.rounds)
+        generation(args.models, args.inputs, args.new_tokens, args.rounds)
     print(f"load average after: {os.getloadavg()}")
 
 
