@@ -24,7 +24,7 @@ from .window import check_window, offset_band
 
 __all__ = ["SIGNATURE_DERIVED", "AttentionCall", "make_call"]
 
-#: Derived values of an :class:`AttentionCall` (names in its ``_cache``) that, for the calls :mod:`relbias._repeat`
+#: Derived values of an :class:`AttentionCall` (names in its ``_cache``) that, for the calls ``relbias._repeat``
 #: keeps (inference, no mask), follow from the call's signature (shapes, dtypes, devices, options) and the bias
 #: module's state alone, never from a tensor's values or strides: a repeat of the signature starts with them. A
 #: backend that caches such a value under a new name adds the name here.

@@ -29,11 +29,12 @@ class Backend(abc.ABC):
     Class attributes:
         name: the name users pass as ``backend=`` (lower case, unique in the registry).
         summary: one sentence on how it computes and what it costs, shown by ``explain_backend``.
-        repeatable: True when :meth:`unsupported_reasons` and :meth:`auto_reasons` read nothing but the call's
-            shapes, dtypes, devices and options, the bias module's parameters and buffers, and
-            :attr:`~relbias.call.AttentionCall.hidden_keys_finite` (or state fixed once per process, such as a build
-            or a one-time check), so that an inference call repeated with the same signature may skip them
-            (:mod:`relbias._repeat`). Default False; every built-in backend is.
+        repeatable: whether the reasons read only the call's signature (default False; every built-in backend is).
+
+    A backend is repeatable when :meth:`unsupported_reasons` and :meth:`auto_reasons` read nothing but the call's
+    shapes, dtypes, devices and options, the bias module's parameters and buffers, and
+    :attr:`~relbias.call.AttentionCall.hidden_keys_finite` (or state fixed once per process, such as a build or a
+    one-time check): an inference call repeated with the same signature then skips them (``relbias._repeat``).
     """
 
     name: str
