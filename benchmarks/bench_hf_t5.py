@@ -24,6 +24,12 @@ Usage::
     python benchmarks/bench_hf_t5.py --lengths 4096 8192 --repeats 2 --backend auto
     python benchmarks/bench_hf_t5.py --batch 8 --lengths 4096 --variants unpatched patched bias-free
 
+The ``-compiled`` variants run the same model under ``torch.compile`` (inductor, static shapes): the first forward
+compiles (its time, reported as "first", and its extra memory include compilation), the timed ones run the compiled
+code; the patched model's attention is one custom op per layer in the graph (``relbias::toeplitz_forward``).
+
+    python benchmarks/bench_hf_t5.py --variants unpatched patched unpatched-compiled patched-compiled --rounds 1
+
 The ``bias-free`` variant is a bound, not a model: the patched model with every self-attention call running
 bias-free SDPA (bias and mask dropped; wrong outputs), i.e. what the encoder would cost if the relative bias were
 free. No exact implementation of the bias beats it, so ``unpatched / bias-free`` is the most any patch can gain.
@@ -64,12 +70,14 @@ def run_child(args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
     model = transformers.T5EncoderModel._from_config(config, attn_implementation="sdpa").eval()
     backend_used = None
-    if args.variant == "patched":
+    compiled = args.variant.endswith("-compiled")
+    variant = args.variant.removesuffix("-compiled")
+    if variant == "patched":
         from relbias.integrations.transformers import patch_t5
 
         patch_t5(model, backend=args.backend)
         backend_used = _backend_choice(model, args)
-    elif args.variant == "bias-free":  # the bound: patched, then attention without the bias (this process only)
+    elif variant == "bias-free":  # the bound: patched, then attention without the bias (this process only)
         import torch.nn.functional as F
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -83,6 +91,9 @@ def run_child(args: argparse.Namespace) -> dict:
 
         ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] = bias_free
         backend_used = "bias-free SDPA (a bound)"
+    if compiled:  # inductor, static shapes; the first forward below compiles (its time is "first")
+        model = torch.compile(model, dynamic=False)
+        backend_used = f"torch.compile; {backend_used}" if backend_used else "torch.compile"
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(1))
 
     with torch.inference_mode():
@@ -144,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="relbias backend for the patched model (default: relbias.attention's default, 'auto')")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"],
-                        choices=["unpatched", "patched", "bias-free"])
+                        choices=["unpatched", "patched", "bias-free", "unpatched-compiled", "patched-compiled"])
     parser.add_argument("--json", help="also write the raw results to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="patched", help=argparse.SUPPRESS)
@@ -176,20 +187,22 @@ def main(argv: list[str] | None = None) -> None:
             if variant not in row:
                 continue
             r = row[variant]
-            print(f"  L={length:5d} {variant:9s} median {r['median_ms']:9.1f} ms wall, {r['cpu_ms']:9.1f} ms CPU "
+            print(f"  L={length:5d} {variant:18s} median {r['median_ms']:9.1f} ms wall, {r['cpu_ms']:9.1f} ms CPU "
                   f"(first {r['first_ms']:9.1f} ms)  extra {r['extra_mib']:8.1f} MiB  threads {r['threads']}  "
                   f"{r['isa']}  {r['backend'] or ''}")
         if "unpatched" in row and "bias-free" in row:
             bound = row["unpatched"]["median_ms"] / row["bias-free"]["median_ms"]
             print(f"  L={length:5d} bound     {bound:6.2f}x faster (wall) with attention as free as bias-free SDPA "
                   f"(unpatched / bias-free)")
-        if "unpatched" in row and "patched" in row:
-            plain, patched = row["unpatched"], row["patched"]
-            speed = plain["median_ms"] / patched["median_ms"]
-            cpu = plain["cpu_ms"] / patched["cpu_ms"]
-            memory = plain["extra_mib"] / max(patched["extra_mib"], 1e-9)
-            print(f"  L={length:5d} ratio     {speed:6.2f}x faster (wall), {cpu:6.2f}x (CPU time), "
-                  f"{memory:6.2f}x less extra memory (unpatched / patched)")
+        for suffix in ("", "-compiled"):
+            if f"unpatched{suffix}" in row and f"patched{suffix}" in row:
+                plain, patched = row[f"unpatched{suffix}"], row[f"patched{suffix}"]
+                speed = plain["median_ms"] / patched["median_ms"]
+                cpu = plain["cpu_ms"] / patched["cpu_ms"]
+                memory = plain["extra_mib"] / max(patched["extra_mib"], 1e-9)
+                label = "ratio" + (" compiled" if suffix else "")
+                print(f"  L={length:5d} {label:14s} {speed:6.2f}x faster (wall), {cpu:6.2f}x (CPU time), "
+                      f"{memory:6.2f}x less extra memory (unpatched{suffix} / patched{suffix})")
     print(f"load average after: {_load_average()}")
     if args.json:
         with open(args.json, "w") as handle:
