@@ -126,6 +126,33 @@ class _FreeAttention:
             module.attention = function
 
 
+class _LayerTimes:
+    """While active, the wall time (us) of every decoder self-attention layer call that decodes one token (the
+    layer's whole forward: projections, cache update, bias, attention, output projection), by forward hooks."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [m for n, m in model.named_modules()  # T5's decoder stack; BLOOM's blocks
+                       if (n.startswith("decoder.") and n.endswith("layer.0.SelfAttention")) or n.endswith("self_attention")]
+        self.times: list[float] = []
+
+    def __enter__(self):
+        def before(module, args, kwargs):
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            module._bench_start = time.perf_counter() if hidden is not None and hidden.shape[1] == 1 else None
+
+        def after(module, args, kwargs, output):
+            if module._bench_start is not None:
+                self.times.append((time.perf_counter() - module._bench_start) * 1e6)
+
+        self.handles = [h for m in self.layers for h in (m.register_forward_pre_hook(before, with_kwargs=True),
+                                                          m.register_forward_hook(after, with_kwargs=True))]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
 def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: int) -> None:
     """Greedy ``generate`` of each family, unpatched, patched, and patched with attention free (the bound), the three
     interleaved for ``rounds`` rounds in this process (the best round of each reported); identical tokens checked."""
@@ -138,14 +165,18 @@ def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: 
             ids = torch.randint(2, vocabulary, (1, n), generator=torch.Generator().manual_seed(n))
             settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                             attention_mask=torch.ones_like(ids))
-            seconds, outs = {}, {}
+            seconds, outs, layer_us = {}, {}, {}
             with torch.no_grad():
-                for _ in range(rounds):
+                for round_ in range(rounds + 1):  # the last round times the decoding steps' self-attention layers
                     for name, model in (("unpatched", plain), ("patched", patched), ("bound", patched)):
-                        with _FreeAttention() if name == "bound" else contextlib.nullcontext():
+                        timed = _LayerTimes(model) if round_ == rounds else contextlib.nullcontext()
+                        with _FreeAttention() if name == "bound" else contextlib.nullcontext(), timed:
                             start = time.perf_counter()
                             out = model.generate(ids, **settings)
                             elapsed = time.perf_counter() - start
+                        if round_ == rounds:
+                            layer_us[name] = statistics.median(timed.times)
+                            continue
                         seconds[name] = min(seconds.get(name, float("inf")), elapsed)
                         if name != "bound":
                             outs[name] = out
@@ -155,6 +186,8 @@ def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: 
             same = torch.equal(outs["unpatched"], outs["patched"])
             print(f"{family:>6} {n:>6} {rate['unpatched']:>16.1f} {rate['patched']:>14.1f} {rate['bound']:>12.1f} "
                   f"{gain:>17.2f}x {most:>15.2f}x {share:>15.2f}  {same}")
+            print(f"{'':>13} one decoding step's self-attention layer (median us, projections included): unpatched "
+                  f"{layer_us['unpatched']:.0f}, patched {layer_us['patched']:.0f}, bound {layer_us['bound']:.0f}")
 
 
 def main() -> None:
