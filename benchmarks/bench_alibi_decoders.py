@@ -23,6 +23,7 @@ average before and after; run it on an otherwise idle machine.
     python benchmarks/bench_alibi_decoders.py                       # 512, 2048, 4096 tokens; decode after 512
     python benchmarks/bench_alibi_decoders.py --models bloom --lengths 4096 --rounds 2
     python benchmarks/bench_alibi_decoders.py --models falcon --lengths 4096 --bound   # the ceiling of any gain
+    python benchmarks/bench_alibi_decoders.py --lengths 512 2048 --compiled   # prefill under torch.compile too
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def run_child(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = build(args.model, args.layers, args.max_len)
-    if args.variant in ("patched", "no-attention"):
+    if args.variant in ("patched", "no-attention", "patched-compiled"):
         from relbias.integrations.transformers import patch
 
         patch(model)
@@ -79,8 +80,12 @@ def run_child(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 1024, (1, args.length if args.what == "prefill" else args.prompt), generator=generator)
 
+    base = model.base_model
+    if args.variant.endswith("-compiled"):  # prefill only: inductor, static shapes; the warm-up call compiles
+        base = torch.compile(base, dynamic=False)
+
     def prefill():
-        model.base_model(input_ids=ids, use_cache=True)
+        base(input_ids=ids, use_cache=True)
 
     def decode():  # greedy steps on a DynamicCache, one token each; returns their seconds
         cache, mask = DynamicCache(config=model.config), torch.ones_like(ids)
@@ -120,6 +125,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bound", action="store_true",
                         help="prefill: also time the patched model with attention costing nothing (its call returns "
                              "the query): unpatched / that is the most any attention kernel could gain")
+    parser.add_argument("--compiled", action="store_true",
+                        help="prefill: also time both models' base model under torch.compile (inductor, static "
+                             "shapes; the untimed warm-up call compiles)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="bloom", help=argparse.SUPPRESS)
     parser.add_argument("--what", default="prefill", help=argparse.SUPPRESS)
@@ -138,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
         for what, length in runs:
             best = {}
             variants = ["unpatched", "patched"] + (["no-attention"] if args.bound and what == "prefill" else [])
+            if args.compiled and what == "prefill":
+                variants += ["unpatched-compiled", "patched-compiled"]
             for variant in variants * args.rounds:
                 command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model, "--what", what,
                            "--variant", variant, "--length", str(length), "--prompt", str(args.prompt), "--new",
@@ -154,18 +164,19 @@ def main(argv: list[str] | None = None) -> None:
             label = f"{model:6s} {what} L={length}" + (f" (+{args.new} tokens)" if what == "decode" else "")
             for variant, r in best.items():
                 unit = "ms/token" if what == "decode" else "ms"
-                print(f"  {label:32s} {variant:12s} {r['seconds'] * 1e3:9.1f} {unit:8s} peak {r['peak_mib']:8.1f} MiB"
+                print(f"  {label:32s} {variant:18s} {r['seconds'] * 1e3:9.1f} {unit:8s} peak {r['peak_mib']:8.1f} MiB"
                       f"  threads {r['threads']}  {r['isa']}")
             if "no-attention" in best and "unpatched" in best:
                 bound = best["unpatched"]["seconds"] / best["no-attention"]["seconds"]
                 print(f"  {label:32s} bound        {bound:5.2f}x (unpatched / no-attention: the most any attention "
                       f"could gain)")
-            if "unpatched" in best and "patched" in best:
-                plain, patched = best["unpatched"], best["patched"]
-                memory = (f"{plain['peak_mib'] / patched['peak_mib']:5.2f}x less peak memory"
-                          if min(plain["peak_mib"], patched["peak_mib"]) >= 1 else "peak memory under 1 MiB")
-                print(f"  {label:32s} ratio        {plain['seconds'] / patched['seconds']:5.2f}x faster, {memory} "
-                      f"(unpatched / patched)")
+            for suffix in ("", "-compiled"):
+                if f"unpatched{suffix}" in best and f"patched{suffix}" in best:
+                    plain, patched = best[f"unpatched{suffix}"], best[f"patched{suffix}"]
+                    memory = (f"{plain['peak_mib'] / patched['peak_mib']:5.2f}x less peak memory"
+                              if min(plain["peak_mib"], patched["peak_mib"]) >= 1 else "peak memory under 1 MiB")
+                    print(f"  {label:32s} {'ratio' + suffix:18s} {plain['seconds'] / patched['seconds']:5.2f}x faster, "
+                          f"{memory} (unpatched{suffix} / patched{suffix})")
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 

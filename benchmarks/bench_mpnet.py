@@ -15,6 +15,10 @@ otherwise idle machine.
 
     python benchmarks/bench_mpnet.py                          # 32 texts at 128, 384 and 512 tokens, batch 32
     python benchmarks/bench_mpnet.py --texts 1000 --threads 2
+    python benchmarks/bench_mpnet.py --variants unpatched patched unpatched-compiled patched-compiled
+
+The ``-compiled`` variants run the MPNet encoder under ``torch.compile`` (inductor, static shapes); the warm-up
+``encode`` compiles it, so the timed one runs compiled code.
 """
 
 from __future__ import annotations
@@ -60,10 +64,12 @@ def run_child(args: argparse.Namespace) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = SentenceTransformer(f"{args.folder}/st", device="cpu")
-    if args.variant == "patched":
+    if args.variant.startswith("patched"):
         from relbias.integrations.transformers import patch
 
         patch(model)
+    if args.variant.endswith("-compiled"):  # the MPNet encoder under inductor, static shapes: the warm-up compiles
+        model[0].auto_model = torch.compile(model[0].auto_model, dynamic=False)
     words = [WORDS[(i * 7 + j) % len(WORDS)] for i in range(args.texts) for j in range(args.length - 2)]
     texts = [" ".join(words[i * (args.length - 2):(i + 1) * (args.length - 2)]) for i in range(args.texts)]
     tokens = len(model.tokenizer(texts[0])["input_ids"])
@@ -87,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="runs per variant, alternating; the faster is reported (default 1)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"],
+                        choices=["unpatched", "patched", "unpatched-compiled", "patched-compiled"],
+                        help="the -compiled ones run the encoder under torch.compile (default unpatched patched)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="patched", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=128, help=argparse.SUPPRESS)
@@ -102,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         _build(folder)
         for length in args.lengths:
             best = {}
-            for variant in ["unpatched", "patched"] * args.rounds:
+            for variant in args.variants * args.rounds:
                 command = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant, "--length",
                            str(length), "--texts", str(args.texts), "--batch", str(args.batch), "--threads",
                            str(args.threads), "--folder", folder]
@@ -114,13 +123,14 @@ def main(argv: list[str] | None = None) -> None:
                 if variant not in best or result["seconds"] < best[variant]["seconds"]:
                     best[variant] = result
             for variant, r in best.items():
-                print(f"  L={r['tokens']:4d} {variant:9s} {r['texts_per_s']:7.1f} texts/s  ({r['seconds']:6.1f} s)  "
+                print(f"  L={r['tokens']:4d} {variant:18s} {r['texts_per_s']:7.1f} texts/s  ({r['seconds']:6.1f} s)  "
                       f"peak {r['peak_mib']:7.1f} MiB  threads {r['threads']}  {r['isa']}")
-            if len(best) == 2:
-                plain, patched = best["unpatched"], best["patched"]
-                print(f"  L={patched['tokens']:4d} ratio     {plain['seconds'] / patched['seconds']:5.2f}x faster, "
-                      f"{plain['peak_mib'] / max(patched['peak_mib'], 1e-9):5.2f}x less peak memory "
-                      f"(unpatched / patched)")
+            for suffix in ("", "-compiled"):
+                if f"unpatched{suffix}" in best and f"patched{suffix}" in best:
+                    plain, patched = best[f"unpatched{suffix}"], best[f"patched{suffix}"]
+                    print(f"  L={patched['tokens']:4d} ratio{suffix:9s} {plain['seconds'] / patched['seconds']:5.2f}x "
+                          f"faster, {plain['peak_mib'] / max(patched['peak_mib'], 1e-9):5.2f}x less peak memory "
+                          f"(unpatched{suffix} / patched{suffix})")
     print(f"load average after: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
 
 
