@@ -10,8 +10,10 @@ import torch
 
 import relbias
 from relbias import _repeat
-from relbias.backends import BACKENDS, register_backend, unregister_backend
+from relbias.backends import BACKENDS, register_backend, registry, unregister_backend
 from relbias.backends.reference import ReferenceBackend
+from relbias.call import make_call
+from relbias.dispatch import resolve_backend
 
 
 @pytest.fixture(autouse=True)
@@ -158,3 +160,51 @@ def test_the_memo_is_bounded():
             q, k, v = _qkv(lk=lk)
             relbias.attention(q, k, v, bias=bias)
     assert len(_repeat._PLANS) == _repeat.MAX_SIGNATURES
+
+
+def test_a_bias_whose_values_read_more_than_its_parameters_is_evaluated_on_every_repeat():
+    state = {"slope": 0.1}
+    bias = relbias.FunctionBias(lambda offsets: -state["slope"] * offsets.abs().float())  # no parameters
+    q, k, v = _qkv()
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias)
+        state["slope"] = 2.0
+        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
+                                   atol=1e-5, rtol=1e-5)
+        state["slope"] = float("nan")
+        with pytest.raises(ValueError, match="nan"):
+            relbias.attention(q, k, v, bias=bias)
+
+
+def test_the_bias_attributes_validation_reads_are_part_of_the_signature():
+    q, k, v = _qkv()
+    bias = relbias.T5Bias(num_heads=4, bidirectional=True)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, query_start=3)  # future keys visible
+        bias.bidirectional = False
+        with pytest.raises(ValueError, match="causal"):
+            relbias.attention(q, k, v, bias=bias, query_start=3)
+        bias.bidirectional, bias.num_heads = True, 3
+        with pytest.raises(ValueError, match="num_heads=3"):
+            relbias.attention(q, k, v, bias=bias, query_start=3)
+
+
+def test_a_choice_made_while_the_registry_changed_is_not_kept():
+    q, k, v = _qkv()
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    late = type("Late", (ReferenceBackend,), {"name": "late_for_test"})()
+    with torch.no_grad():
+        signature = _repeat.signature(q, k, v, bias, None, False, None, None, None, 0, "auto", False, 0.0, None,
+                                      None, False, None)
+        call = make_call(q, k, v, bias=bias)
+        before = registry.generation()
+        chosen, _ = resolve_backend("auto", call)
+        register_backend(late)  # another thread, while the call runs
+        try:
+            _repeat.remember(signature, "auto", chosen, call, before)  # chosen against the old registry
+            assert not _repeat._PLANS
+            during = registry.generation()
+        finally:
+            unregister_backend("late_for_test")
+        _repeat.remember(signature, "late_for_test", late, call, during)  # a backend that has left: no error
+    assert signature is not None and not _repeat._PLANS

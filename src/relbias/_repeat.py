@@ -16,8 +16,10 @@ A repeat then costs a dictionary lookup, the stamp and the backend's forward. Ke
 off, outside ``torch.compile``) without a mask, dropout, window, grouped-query heads or tensor positions, whose
 arguments have exactly the types validation accepted (plain tensors, bools, ints, floats, strs), and only where every
 backend consulted is :attr:`~relbias.backends.base.Backend.repeatable` (its reasons read nothing but the signature,
-the bias state and ``hidden_keys_finite``); every other call takes the full path. A change to the registry of
-backends forgets every signature. The memo holds the bias module by weak reference and at most
+the bias state and ``hidden_keys_finite``); every other call takes the full path. The signature includes the bias
+module's attributes that validation reads (``num_heads``, ``bidirectional``, ``default_convention``); derived values
+that hold the bias's values are kept only for a ``state_only`` family, whose values read its parameters and buffers
+alone. A change to the registry of backends forgets every signature (a choice made while it changed is not kept). The memo holds the bias module by weak reference and at most
 :data:`MAX_SIGNATURES` signatures (a growing KV cache makes one per decoding step, shared by its layers).
 """
 
@@ -31,20 +33,21 @@ import torch
 from .backends import registry
 from .backends.base import Backend
 from .biases.base import RelativeBias
-from .call import SIGNATURE_DERIVED, AttentionCall
+from .call import SIGNATURE_DERIVED, STATE_DERIVED, AttentionCall
 
 __all__ = ["MAX_SIGNATURES", "forget", "recall", "remember", "signature"]
 
 #: Signatures kept; the oldest is dropped first.
 MAX_SIGNATURES = 64
 
-#: signature -> (bias weakref or None, registry generation, backend, alignment, convention, scale, is_causal,
-#: bias stamp, hides keys, derived values)
+#: signature -> (bias weakref or None, registry generation, backend, the call's other fields, bias stamp, whether it
+#: hides keys, derived values)
 _PLANS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()  # for remember's eviction; recall reads without it (one dict lookup)
 
 _Tensor = torch.Tensor
 _NUMBERS = (float, int)
+_new = object.__new__
 
 
 def signature(query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start, backend,
@@ -62,7 +65,10 @@ def signature(query, key, value, bias, mask, is_causal, scale, convention, query
             and (convention is None or type(convention) is str) and type(backend) is str
             and (bias is None or isinstance(bias, RelativeBias))):
         return None
-    return (id(bias), query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
+    # the bias module's attributes that validation reads (not in its state stamp); an unhashable one (a user
+    # family's) makes the key unhashable, and recall and remember then leave the call to the full path
+    config = None if bias is None else (bias.num_heads, getattr(bias, "bidirectional", None), bias.default_convention)
+    return (id(bias), config, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
             key.device, value.device, is_causal, scale, convention, query_start, key_start, backend, return_lse,
             torch.is_inference_mode_enabled())
 
@@ -71,39 +77,53 @@ def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Ten
            bias: RelativeBias | None, return_lse: bool) -> tuple[Backend, AttentionCall] | None:
     """``(backend, call)`` for a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when
     the signature is not kept or the values it cannot vouch for changed (the bias state, NaN/inf in hidden keys)."""
-    plan = _PLANS.get(key)
+    try:
+        plan = _PLANS.get(key)
+    except TypeError:  # an unhashable bias attribute
+        return None
     if plan is None:
         return None
-    ref, generation, backend, alignment, convention, scale, is_causal, stamp, hides, derived = plan
-    if generation != registry.generation() or (ref is not None and ref() is not bias):
+    ref, generation, backend, fields, stamp, hides, derived = plan
+    if generation != registry._generation[0] or (ref is not None and ref() is not bias):
         return None
     if bias is not None and bias.state_stamp() != stamp:
         return None
-    call = AttentionCall(query, key_, value, bias, None, is_causal, convention, scale, alignment, return_lse)
-    call._cache.update(derived)
+    call = _new(AttentionCall)  # the validated call's fields on these tensors, without __init__'s keyword binding
+    state = call.__dict__
+    state.update(fields)
+    state.update(query=query, key=key_, value=value, bias=bias, return_lse=return_lse, _cache=derived.copy())
     if hides and not call.hidden_keys_finite:
         return None
     return backend, call
 
 
-def remember(key: tuple, name: str, backend: Backend, call: AttentionCall) -> None:
-    """Keep the validated ``call`` and the ``backend`` that runs it, chosen for ``backend=name``, under the signature
-    ``key`` (:func:`signature`), where every backend consulted is repeatable."""
-    names = list(registry.BACKENDS)
+def remember(key: tuple, name: str, backend: Backend, call: AttentionCall, generation: int) -> None:
+    """Keep the validated ``call`` and the ``backend`` that runs it, chosen for ``backend=name`` against the registry
+    of ``generation`` (:func:`relbias.backends.registry.generation`, read before the choice), under the signature
+    ``key`` (:func:`signature`), where every backend consulted is repeatable and the registry has not changed since."""
+    backends = dict(registry.BACKENDS)
+    if generation != registry.generation() or backends.get(backend.name) is not backend:
+        return  # the registry changed while the call ran: its choice may not be the registry's now
+    names = list(backends)
     consulted = names[: names.index(backend.name) + 1] if name == "auto" else [backend.name]
-    if not all(registry.BACKENDS[n].repeatable for n in consulted):
+    if not all(backends[n].repeatable for n in consulted):
         return
     hides = call.hides_keys
     if hides and not call._cache.get("hidden_keys_finite", True):  # chosen around NaN/inf: not the signature's choice
         return
     bias = call.bias
-    derived = {n: call._cache[n] for n in SIGNATURE_DERIVED if n in call._cache}
+    kept = SIGNATURE_DERIVED + (STATE_DERIVED if bias is not None and bias.state_only else ())
+    derived = {n: call._cache[n] for n in kept if n in call._cache}
     if not hides:
         derived["hidden_keys_finite"] = True
-    plan = (
-        None if bias is None else weakref.ref(bias), registry.generation(), backend, call.alignment, call.convention,
-        call.scale, call.is_causal, call._cache.get("bias_stamp") if bias is not None else None, hides, derived,
-    )
+    fields = {name: value for name, value in call.__dict__.items()
+              if name not in ("query", "key", "value", "bias", "return_lse", "_cache")}
+    plan = (None if bias is None else weakref.ref(bias), generation, backend, fields,
+            call._cache.get("bias_stamp") if bias is not None else None, hides, derived)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable bias attribute
+        return
     with _LOCK:
         while len(_PLANS) >= MAX_SIGNATURES:
             _PLANS.pop(next(iter(_PLANS)))
@@ -112,4 +132,5 @@ def remember(key: tuple, name: str, backend: Backend, call: AttentionCall) -> No
 
 def forget() -> None:
     """Drop every kept signature."""
-    _PLANS.clear()
+    with _LOCK:
+        _PLANS.clear()

@@ -22,13 +22,16 @@ from .biases.native import NativeBias
 from .positions import Alignment
 from .window import check_window, offset_band
 
-__all__ = ["SIGNATURE_DERIVED", "AttentionCall", "make_call"]
+__all__ = ["SIGNATURE_DERIVED", "STATE_DERIVED", "AttentionCall", "make_call"]
 
 #: Derived values of an :class:`AttentionCall` (names in its ``_cache``) that, for the calls ``relbias._repeat``
 #: keeps (inference, no mask), follow from the call's signature (shapes, dtypes, devices, options) and the bias
-#: module's state alone, never from a tensor's values or strides: a repeat of the signature starts with them. A
-#: backend that caches such a value under a new name adds the name here.
-SIGNATURE_DERIVED = ("bias_stamp", "needs_grad", "decode_reversed")
+#: module's state stamp alone, never from a tensor's values or strides: a repeat of the signature starts with them.
+#: A backend that caches such a value under a new name adds the name here.
+SIGNATURE_DERIVED = ("bias_stamp", "needs_grad")
+#: Derived values that also hold the bias's values (``relbias._repeat`` keeps them for a ``state_only`` bias module
+#: only, whose values read its parameters and buffers alone; another family may read anything, every call).
+STATE_DERIVED = ("decode_reversed",)
 
 
 @dataclass(frozen=True, eq=False, init=False)

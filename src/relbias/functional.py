@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import _repeat
+from .backends import registry
 from .biases.base import RelativeBias
 from .call import make_call
 from .dispatch import resolve_backend
@@ -163,6 +164,7 @@ def attention(
         chosen, call = repeated
         out, lse = chosen.forward(call)
         return (out, lse) if return_lse else out
+    generation = registry.generation()  # the registry the choice below is made against
     call = make_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
         query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=generator,
@@ -171,7 +173,7 @@ def attention(
     chosen, _ = resolve_backend(backend, call)
     out, lse = chosen.forward(call)
     if signature is not None:  # after the forward, which derives values a repeat reuses
-        _repeat.remember(signature, backend, chosen, call)
+        _repeat.remember(signature, backend, chosen, call, generation)
     return (out, lse) if return_lse else out
 
 
