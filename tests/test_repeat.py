@@ -32,6 +32,12 @@ def _reference(q, k, v, **kwargs):
     return relbias.attention(q, k, v, backend="reference", **kwargs)
 
 
+def _assert_current_values_read(q, k, v, bias):
+    """A repeat of ``attention(q, k, v, bias=bias)`` gives what the reference computes from the bias as it is now."""
+    torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_a_repeated_inference_call_is_kept_and_gives_the_first_calls_output():
     q, k, v = _qkv(lq=4)
     bias = relbias.T5Bias(num_heads=4, bidirectional=False)
@@ -55,16 +61,31 @@ def test_calls_that_need_gradients_or_carry_a_mask_or_dropout_are_not_kept():
     assert not _repeat._PLANS
 
 
-def test_a_parameter_written_in_place_is_checked_again():
-    q, k, v = _qkv()
+def _table_written_in_place():
     bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+
+    def poison():
+        bias.weight[3, 1] = float("nan")
+
+    return bias, lambda: bias.weight.add_(1.0), poison, "holds nan"
+
+
+def _function_of_outside_state():  # no parameters: its values read more than its state
+    state = {"slope": 0.1}
+    bias = relbias.FunctionBias(lambda offsets: -state["slope"] * offsets.abs().float())
+    return bias, lambda: state.update(slope=2.0), lambda: state.update(slope=float("nan")), "nan"
+
+
+@pytest.mark.parametrize("make", [_table_written_in_place, _function_of_outside_state])
+def test_a_repeat_reads_the_bias_values_as_they_are_now_and_refuses_nan(make):
+    bias, change, poison, match = make()
+    q, k, v = _qkv()
     with torch.no_grad():
         relbias.attention(q, k, v, bias=bias)
-        bias.weight.add_(1.0)  # finite: the new values are read
-        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
-                                   atol=1e-5, rtol=1e-5)
-        bias.weight[3, 1] = float("nan")
-        with pytest.raises(ValueError, match="holds nan"):
+        change()  # finite: the new values are read
+        _assert_current_values_read(q, k, v, bias)
+        poison()
+        with pytest.raises(ValueError, match=match):
             relbias.attention(q, k, v, bias=bias)
 
 
@@ -74,8 +95,7 @@ def test_a_replaced_parameter_is_read():
     with torch.no_grad():
         relbias.attention(q, k, v, bias=bias)
         bias.weight = torch.nn.Parameter(torch.randn_like(bias.weight))
-        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
-                                   atol=1e-5, rtol=1e-5)
+        _assert_current_values_read(q, k, v, bias)
 
 
 def test_nan_in_a_hidden_key_on_a_repeat_stays_with_the_queries_that_see_it():
@@ -160,20 +180,6 @@ def test_the_memo_is_bounded():
             q, k, v = _qkv(lk=lk)
             relbias.attention(q, k, v, bias=bias)
     assert len(_repeat._PLANS) == _repeat.MAX_SIGNATURES
-
-
-def test_a_bias_whose_values_read_more_than_its_parameters_is_evaluated_on_every_repeat():
-    state = {"slope": 0.1}
-    bias = relbias.FunctionBias(lambda offsets: -state["slope"] * offsets.abs().float())  # no parameters
-    q, k, v = _qkv()
-    with torch.no_grad():
-        relbias.attention(q, k, v, bias=bias)
-        state["slope"] = 2.0
-        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias), _reference(q, k, v, bias=bias),
-                                   atol=1e-5, rtol=1e-5)
-        state["slope"] = float("nan")
-        with pytest.raises(ValueError, match="nan"):
-            relbias.attention(q, k, v, bias=bias)
 
 
 def test_the_bias_attributes_validation_reads_are_part_of_the_signature():
