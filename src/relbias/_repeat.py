@@ -84,7 +84,7 @@ def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Ten
     if plan is None:
         return None
     ref, generation, backend, fields, stamp, hides, derived = plan
-    if generation != registry._generation[0] or (ref is not None and ref() is not bias):
+    if generation != registry.generation() or (ref is not None and ref() is not bias):
         return None
     if bias is not None and bias.state_stamp() != stamp:
         return None
@@ -101,6 +101,10 @@ def remember(key: tuple, name: str, backend: Backend, call: AttentionCall, gener
     """Keep the validated ``call`` and the ``backend`` that runs it, chosen for ``backend=name`` against the registry
     of ``generation`` (:func:`relbias.backends.registry.generation`, read before the choice), under the signature
     ``key`` (:func:`signature`), where every backend consulted is repeatable and the registry has not changed since."""
+    try:
+        hash(key)
+    except TypeError:  # an unhashable bias attribute
+        return
     backends = dict(registry.BACKENDS)
     if generation != registry.generation() or backends.get(backend.name) is not backend:
         return  # the registry changed while the call ran: its choice may not be the registry's now
@@ -120,10 +124,6 @@ def remember(key: tuple, name: str, backend: Backend, call: AttentionCall, gener
               if name not in ("query", "key", "value", "bias", "return_lse", "_cache")}
     plan = (None if bias is None else weakref.ref(bias), generation, backend, fields,
             call._cache.get("bias_stamp") if bias is not None else None, hides, derived)
-    try:
-        hash(key)
-    except TypeError:  # an unhashable bias attribute
-        return
     with _LOCK:
         while len(_PLANS) >= MAX_SIGNATURES:
             _PLANS.pop(next(iter(_PLANS)))

@@ -87,10 +87,11 @@ def _reversed(call: AttentionCall) -> torch.Tensor:
     reversed, -inf at a causal call's future offsets; a view into the bias's table (:func:`reversed_rows`), shared by
     every layer and step, else computed once per native form, which a decoder's layers share within a step. Kept in
     the call's ``"decode_reversed"`` entry, which a repeat of the call's signature starts with."""
-    return call._cached("decode_reversed", lambda: _compute_reversed(call, call.query.dtype))
+    return call._cached("decode_reversed", lambda: _compute_reversed(call))
 
 
-def _compute_reversed(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
+def _compute_reversed(call: AttentionCall) -> torch.Tensor:
+    dtype = call.query.dtype
     w = reversed_rows(call, dtype)
     if w is not None:
         return w
