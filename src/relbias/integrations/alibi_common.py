@@ -19,8 +19,10 @@ from torch import nn
 from .._gqa import expand_kv_heads
 from ..biases.alibi import ALiBiBias
 from ..functional import attention, attention_with_weights
+from .compiled_masks import compiled_hf_attention
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import hf_visible, relbias_mask_from_hf
+from .masks import keys_in_one_run as _contiguous
 
 __all__ = ["ALiBiPatch", "alibi_attention", "dropout_probability", "replace_forwards"]
 
@@ -75,13 +77,6 @@ def replace_forwards(patch: ALiBiPatch, layers, forward: Callable) -> None:
         patch.layers.append(layer)
 
 
-def _contiguous(key_padding: torch.Tensor, end: int) -> bool:
-    """Whether each row's visible keys among the first ``end`` form one run (pads only before and after)."""
-    visible = key_padding.reshape(key_padding.shape[0], -1)[:, :end]
-    rises = (visible[:, 1:] & ~visible[:, :-1]).sum(dim=1) + visible[:, 0].long()
-    return bool((rises <= 1).all())
-
-
 def dropout_probability(dropout: nn.Dropout | float, training: bool) -> float:
     """A layer's attention dropout (an ``nn.Dropout`` or its probability) as ``dropout_p``: 0 outside training."""
     return getattr(dropout, "p", dropout) if training else 0.0
@@ -128,17 +123,24 @@ def alibi_attention(
                                                              counted_positions)
     call = dict(scale=scale, query_start=query_start, key_start=0, dropout_p=dropout_p,
                 enable_gqa=key.shape[1] != query.shape[1])
+    backend = {} if patch.backend is None else {"backend": patch.backend}
+    fill = dict(scale=scale, additive_fill=additive_fill)
+    if not output_attentions:  # compiled: the mask converted when the graph runs (compiled_masks)
+        out = compiled_hf_attention(query, key, value, hf_mask, bias=patch.bias, is_causal=True,
+                                    query_start=query_start, scale=scale, convention=convention,
+                                    backend=patch.backend, dropout_p=dropout_p, enable_gqa=call["enable_gqa"],
+                                    key_bias=key_bias if counted_positions else None)
+        if out is not None:
+            return fill_hidden_rows(out, query, key, value, hidden, **fill), None
     if per_offset:
         call.update(bias=patch.bias, mask=mask, is_causal=is_causal, convention=convention)
     else:  # the model's own per-key bias, dense, with the mask as it is
         visible = hf_visible(hf_mask)
         bias = key_bias(visible[:, 0, -1, :])  # the last query sees every visible key up to it
         call.update(mask=bias.masked_fill(~visible, float("-inf")), is_causal=False)
-    fill = dict(scale=scale, additive_fill=additive_fill)
     if output_attentions:
         expanded_key, expanded_value = expand_kv_heads(query, key, value, call.pop("enable_gqa"))
         _, probs = attention_with_weights(query, expanded_key, expanded_value, **call)
         probs = fill_hidden_weights(probs, hidden)
         return fill_hidden_rows(probs @ expanded_value, query, key, value, hidden, **fill), probs
-    backend = {} if patch.backend is None else {"backend": patch.backend}
     return fill_hidden_rows(attention(query, key, value, **call, **backend), query, key, value, hidden, **fill), None

@@ -6,9 +6,10 @@ or None when there is nothing to mask. Most such masks are a key padding mask, o
 rule; relbias takes that as a (B, 1, 1, Lk) bool mask plus ``is_causal``, which a memory-efficient backend can read
 without a (Lq, Lk) tensor. Anything else is passed on whole, as an exact mask.
 
-Deciding which form a mask has reads its values, so under ``torch.compile`` (a compiled decoding step with a
-static cache) the mask is passed on whole instead: still exact, as transformers' masks of causal attention contain
-the causal rule.
+Deciding which form a mask has reads its values, so under ``torch.compile`` the conversion passes the mask on whole
+instead: still exact, as transformers' masks of causal attention contain the causal rule. Compiled inference calls
+of the patches convert it when the graph runs instead (:mod:`relbias.integrations.compiled_masks`); the whole mask
+serves compiled training steps and a static cache's compiled decoding steps.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ import torch
 
 from ..positions import resolve_alignment
 
-__all__ = ["hf_visible", "relbias_mask_from_hf"]
+__all__ = ["hf_visible", "keys_in_one_run", "relbias_mask_from_hf"]
 
 
 def hf_visible(mask: torch.Tensor) -> torch.Tensor:
     """Which keys a transformers 4-D mask lets each query see: bool, same shape (True = may attend). A float mask
     hides a key with a value ``<= finfo(dtype).min / 2`` (transformers writes ``finfo(dtype).min``) or -inf."""
     return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
+def keys_in_one_run(key_padding: torch.Tensor, end: int) -> bool:
+    """Whether each row's visible keys among the first ``end`` form one run (pads only before and after), for a bool
+    key padding mask (B, 1, 1, Lk), True = may attend. Positions counted over visible tokens (BLOOM's, Falcon's) then
+    differ from the offsets by one constant per row."""
+    visible = key_padding.reshape(key_padding.shape[0], -1)[:, :end]
+    rises = (visible[:, 1:] & ~visible[:, :-1]).sum(dim=1) + visible[:, 0].long()
+    return bool((rises <= 1).all())
 
 
 def relbias_mask_from_hf(

@@ -30,6 +30,7 @@ from torch import nn
 from ..biases.t5 import T5Bias
 from ..functional import attention, attention_with_weights
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
+from .compiled_masks import compiled_hf_attention
 from .masks import relbias_mask_from_hf
 from .common import check_backend, first_instance
 from .patches import find_patches, patched_already
@@ -90,8 +91,12 @@ def _self_attention(layer: nn.Module, backend: str | None, hidden_states, attent
         _, probs = attention_with_weights(q, k, v, **call)  # (B, H, L, L), dropout applied
         probs = fill_hidden_weights(probs, hidden)
         c = probs @ v
-    else:
-        c, probs = attention(q, k, v, **call, **({} if backend is None else {"backend": backend})), None
+    else:  # compiled: the mask converted when the graph runs (compiled_masks); else here
+        probs = None
+        c = compiled_hf_attention(q, k, v, attention_mask, bias=position_bias, is_causal=False, query_start=0,
+                                  scale=None, convention="additive", backend=backend, dropout_p=call["dropout_p"])
+        if c is None:
+            c = attention(q, k, v, **call, **({} if backend is None else {"backend": backend}))
     c = fill_hidden_rows(c, q, k, v, hidden, scale=layer.attention_head_size ** -0.5, bias=position_bias)
     o = layer.o(c.transpose(1, 2).reshape(*hidden_states.shape[:-1], layer.all_head_size))
     return (o, probs) if output_attentions else (o,)

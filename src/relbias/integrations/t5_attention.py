@@ -23,6 +23,7 @@ from torch import nn
 
 from ..biases.t5 import T5Bias
 from ..functional import attention, attention_with_weights
+from .compiled_masks import compiled_hf_attention
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import relbias_mask_from_hf
 
@@ -216,7 +217,8 @@ def relbias_t5_attention(
         )
     if position_bias.parallel is not None:
         return _context_parallel_attention(module, query, key, value, attention_mask, dropout, position_bias, kwargs)
-    mask, is_causal, hidden = position_bias.relbias_mask(attention_mask, bool(getattr(module, "is_causal", False)))
+    causal = bool(getattr(module, "is_causal", False))
+    mask, is_causal, hidden = position_bias.relbias_mask(attention_mask, causal)
     call = dict(
         bias=position_bias.bias, mask=mask, is_causal=is_causal, convention="t5",
         query_start=position_bias.query_start, key_start=0,
@@ -234,7 +236,12 @@ def relbias_t5_attention(
         return out.transpose(1, 2).contiguous(), weights
     # No backend given: relbias.attention's own default ("auto" where relbias has the dispatcher).
     backend = {} if position_bias.backend is None else {"backend": position_bias.backend}
-    out = attention(query, key, value, **call, **backend)  # (B, H, Lq, D)
+    out = compiled_hf_attention(  # compiled: the mask converted when the graph runs (compiled_masks); else here
+        query, key, value, attention_mask, bias=position_bias.bias, is_causal=causal,
+        query_start=position_bias.query_start, scale=None, convention="t5", backend=position_bias.backend,
+        dropout_p=call["dropout_p"])
+    if out is None:
+        out = attention(query, key, value, **call, **backend)  # (B, H, Lq, D)
     out = fill_hidden_rows(out, query, key, value, hidden, **fill)
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
 

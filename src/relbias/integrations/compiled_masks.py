@@ -1,0 +1,112 @@
+"""transformers' masks under ``torch.compile``: converted when the graph runs, inside one custom op.
+
+In eager mode :func:`relbias.integrations.masks.relbias_mask_from_hf` reads a transformers 4D mask's values to
+find the form relbias' fast backends take, a (B, 1, 1, Lk) key padding mask plus the causal rule. A compiled graph
+cannot branch on values, so there the mask went on whole and a patched model with a padding mask ran on the tiled
+``blockwise`` backend. :func:`compiled_hf_attention` instead hands the call to the custom op
+``relbias::hf_masked_attention``, opaque to the compiler: when the graph runs, the op converts the mask as eager
+code does and runs :func:`relbias.attention` on the form found (toeplitz for a key padding mask; the exact mask
+otherwise). The bias goes in as a tensor, its values at the call's offsets (computed in the graph from the model's
+parameters), so the op holds no module.
+
+Inference only (no gradient recorded): the op has no backward, and a compiled training step keeps the exact mask.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from ..biases.function import FunctionBias
+from ..functional import attention
+from ..positions import resolve_alignment
+from .masks import hf_visible, keys_in_one_run, relbias_mask_from_hf
+
+__all__ = ["compiled_hf_attention", "hf_masked_attention"]
+
+
+@torch.library.custom_op("relbias::hf_masked_attention", mutates_args=())
+def hf_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hf_mask: torch.Tensor,
+                        offset_values: torch.Tensor, key_bias: torch.Tensor | None, query_start: int, is_causal: bool,
+                        bidirectional: bool, scale: float | None, convention: str, backend: str,
+                        enable_gqa: bool) -> torch.Tensor:
+    """:func:`relbias.attention` under a transformers 4D mask converted by ``relbias_mask_from_hf`` when it runs.
+
+    Args:
+        query: (B, H, Lq, D); key, value: (B, Hkv, Lk, D) and (B, Hkv, Lk, Dv); keys at positions 0 .. Lk-1.
+        hf_mask: transformers' mask, bool (True = may attend) or additive float, (B, 1, Lq, Lk).
+        offset_values: the relative bias at the call's offsets ``query_start - (Lk - 1) ... query_start + Lq - 1``
+            in ascending order, float (H or 1, Lq + Lk - 1), logits.
+        key_bias: None, or for a model that counts positions over visible tokens (BLOOM, Falcon) its own per-key bias
+            (B, H, 1, Lk) in logits after scaling: used, dense with the mask and without ``offset_values``, unless
+            the offsets stand for those positions (the causal rule and each row's visible keys in one run), as the
+            eager patches decide (:mod:`relbias.integrations.alibi_common`).
+        query_start: position of the first query (tokens); is_causal: the attention's causal rule (the mask holds
+            it too, as transformers builds it); bidirectional: whether the bias is defined for future keys.
+        scale, convention, backend, enable_gqa: as :func:`relbias.attention`'s.
+
+    Returns:
+        (B, H, Lq, Dv) contiguous, query's dtype. A query row with no visible key gives zeros (relbias' rule).
+    """
+    mask, causal = relbias_mask_from_hf(hf_mask, is_causal=is_causal, query_start=query_start)
+    call = dict(scale=scale, query_start=query_start, key_start=0, backend=backend, enable_gqa=enable_gqa)
+    end = query_start + query.shape[2]
+    if key_bias is not None and not (causal and (mask is None or keys_in_one_run(mask, end))):
+        dense = key_bias.masked_fill(~hf_visible(hf_mask), float("-inf"))  # (B, H, Lq, Lk)
+        return attention(query, key, value, mask=dense, is_causal=False, **call).contiguous()
+    low = query_start - (key.shape[2] - 1)
+    bias = FunctionBias(functools.partial(_lookup, offset_values, low), num_heads=offset_values.shape[0],
+                        bidirectional=bidirectional)
+    return attention(query, key, value, bias=bias, mask=mask, is_causal=causal, convention=convention,
+                     **call).contiguous()
+
+
+def _lookup(offset_values: torch.Tensor, low: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The values at ``offsets`` (any shape): (H or 1, *offsets.shape); an offset outside the call's raises."""
+    index = offsets - low
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= offset_values.shape[1]):
+        raise IndexError(f"offsets {int(offsets.min())} .. {int(offsets.max())} outside the call's {low} .. "
+                         f"{low + offset_values.shape[1] - 1}")
+    return offset_values[:, index]
+
+
+@hf_masked_attention.register_fake
+def _(query, key, value, hf_mask, offset_values, key_bias, query_start, is_causal, bidirectional, scale, convention,
+      backend, enable_gqa):
+    return query.new_empty((*query.shape[:-1], value.shape[-1]))
+
+
+def compiled_hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          hf_mask: torch.Tensor | None, *, bias, is_causal: bool, query_start: int | torch.Tensor,
+                          scale: float | None, convention: str, backend: str | None, dropout_p: float,
+                          enable_gqa: bool = False,
+                          key_bias: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
+    """Under ``torch.compile``, for inference: :func:`hf_masked_attention` of this call; None elsewhere.
+
+    Args:
+        query, key, value: as :func:`relbias.attention`'s, keys at positions 0 .. Lk-1.
+        hf_mask: transformers' 4D mask, (B, 1, Lq, Lk), or None.
+        bias: the layer's offset-only :class:`relbias.RelativeBias` (read in the graph at the call's offsets).
+        is_causal, query_start, scale, convention: as :func:`relbias.attention`'s; backend: a name, or None for
+            ``"auto"``; dropout_p: the layer's attention dropout (0 outside training); enable_gqa: whether ``key``
+            has fewer heads than ``query``; key_bias: for a model that counts positions over visible tokens,
+            ``visible (B, Lk) -> (B, H, 1, Lk)``, its own per-key bias (:func:`hf_masked_attention`).
+
+    Returns:
+        None, for the caller's own path, outside ``torch.compile``, without a 4D tensor mask of one head, with a
+        tensor ``query_start`` (a compiled static cache's decoding step), with dropout, or when a gradient is
+        recorded (grad mode on and a tensor or the bias requiring one); else (B, H, Lq, Dv).
+    """
+    if (not torch.compiler.is_compiling() or not isinstance(hf_mask, torch.Tensor) or hf_mask.dim() != 4
+            or hf_mask.shape[1] != 1 or type(query_start) is not int or dropout_p != 0):
+        return None
+    tensors = (query, key, value, *bias.parameters())
+    if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
+        return None
+    alignment = resolve_alignment(query.shape[2], key.shape[2], query_start=query_start)
+    values = bias.offset_values(alignment.offset_vector(query.device))
+    per_key = None if key_bias is None else key_bias(hf_visible(hf_mask)[:, 0, -1, :])  # the last query's keys
+    return hf_masked_attention(query, key, value, hf_mask, values, per_key, query_start, is_causal,
+                               bias.bidirectional, scale, convention, backend or "auto", enable_gqa)
