@@ -83,9 +83,9 @@ def test_no_op_outside_compile_with_gradients_or_dropout():
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
     bias = T5Bias(2, num_buckets=8, max_distance=16)
 
-    def run(mask, query_start, dropout_p=0.0):
+    def run(mask, query_start, dropout_p=0.0, backend=None):
         return compiled_hf_attention(query, query, query, mask, bias=bias, is_causal=False, query_start=query_start,
-                                     scale=None, convention="t5", backend=None, dropout_p=dropout_p)
+                                     scale=None, convention="t5", backend=backend, dropout_p=dropout_p)
 
     assert run(mask, 0) is None
     compiled = torch.compile(run, fullgraph=True, backend="eager")
@@ -95,6 +95,7 @@ def test_no_op_outside_compile_with_gradients_or_dropout():
         assert compiled(mask, torch.tensor(0)) is None
         assert compiled(mask.expand(1, 2, 4, 4), 0) is None
         assert compiled(mask, 0, 0.1) is None
+        assert compiled(mask, 0, 0.0, "structured") is None  # reads a family's far-constant distance: not the op's
     torch._dynamo.reset()
 
 
@@ -178,6 +179,25 @@ def test_compiled_patched_models_take_the_key_padding_form(name, monkeypatch):
             keep = mask.bool()[..., None].expand_as(got)  # a query of a left pad sees no key: transformers' mean
             assert_rounding_close(got[keep], want[keep], n=LENGTH)
             assert ran == fast
+    torch._dynamo.reset()
+
+
+def test_the_op_runs_flex_on_a_compiled_graphs_first_call():
+    """PyTorch runs a compiled graph's custom ops once under a dispatch mode (its aliasing check); the op's work runs
+    as eager code there: flex (whose block masks use vmap, and whose one-time self-test compiles FlexAttention) gives
+    the eager result on the first and later calls, and eager flex calls still run afterwards."""
+    torch.manual_seed(0)
+    model = _mpnet().eval()
+    patched = patch(copy.deepcopy(model), backend="flex")
+    compiled = torch.compile(patched, fullgraph=True, backend="aot_eager", dynamic=False)
+    ids = torch.randint(2, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[1, :4] = 0
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        for _ in range(2):
+            assert_rounding_close(compiled(input_ids=ids, attention_mask=mask).last_hidden_state, want, n=10)
+        assert_rounding_close(patched(input_ids=ids, attention_mask=mask).last_hidden_state, want, n=10)
     torch._dynamo.reset()
 
 

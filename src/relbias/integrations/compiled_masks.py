@@ -14,10 +14,12 @@ Inference only (no gradient recorded): the op has no backward, and a compiled tr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
 import torch
+from torch._C import DispatchKey
 
 from ..biases.function import FunctionBias
 from ..functional import attention
@@ -50,6 +52,34 @@ def hf_masked_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     Returns:
         (B, H, Lq, Dv) contiguous, query's dtype. A query row with no visible key gives zeros (relbias' rule).
     """
+    with _eager_dispatch():
+        return _run(query, key, value, hf_mask, offset_values, key_bias, query_start, is_causal, bidirectional, scale,
+                    convention, backend, enable_gqa)
+
+
+#: What a dispatch mode's handler excludes beyond an eager call below autograd: the keys before Python's.
+_ABOVE_PYTHON = tuple(getattr(DispatchKey, name) for name in (
+    "FuncTorchDynamicLayerBackMode", "Functionalize", "Conjugate", "Negative", "ZeroTensor", "ADInplaceOrView", "Tracer",
+    "FuncTorchBatched", "BatchedNestedTensor", "FuncTorchVmapMode", "Batched", "VmapMode", "FuncTorchGradWrapper",
+    "DeferredInit", "PythonTLSSnapshot", "FuncTorchDynamicLayerFrontMode", "PreDispatch") if hasattr(DispatchKey, name))
+
+
+def _eager_dispatch():
+    """The dispatch state of an eager call for the op's work. A compiled graph's first call runs each custom op
+    inside a dispatch mode's handler (PyTorch's aliasing check), which excludes every key before Python's: there
+    vmap (flex's block masks) fails, and a backend's one-time self-test would record a refusal for the whole process.
+    Elsewhere nothing changes."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    if not exclude.has(DispatchKey.FuncTorchDynamicLayerBackMode):
+        return contextlib.nullcontext()
+    for key in _ABOVE_PYTHON:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def _run(query, key, value, hf_mask, offset_values, key_bias, query_start, is_causal, bidirectional, scale,
+         convention, backend, enable_gqa) -> torch.Tensor:
+    """:func:`hf_masked_attention`'s work."""
     mask, causal = relbias_mask_from_hf(hf_mask, is_causal=is_causal, query_start=query_start)
     call = dict(scale=scale, query_start=query_start, key_start=0, backend=backend, enable_gqa=enable_gqa)
     end = query_start + query.shape[2]
@@ -78,6 +108,12 @@ def _(query, key, value, hf_mask, offset_values, key_bias, query_start, is_causa
     return query.new_empty((*query.shape[:-1], value.shape[-1]))
 
 
+#: Backends the op's bias, values looked up at the call's offsets, cannot serve: ``structured`` reads how far a family's
+#: values change (``far_constant_distance``), which the lookup does not carry. A layer patched for one passes the mask
+#: whole under compile, as before.
+_NOT_TAKEN = ("structured",)
+
+
 def compiled_hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                           hf_mask: torch.Tensor | None, *, bias, is_causal: bool, query_start: int | torch.Tensor,
                           scale: float | None, convention: str, backend: str | None, dropout_p: float,
@@ -96,11 +132,12 @@ def compiled_hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     Returns:
         None, for the caller's own path, outside ``torch.compile``, without a 4D tensor mask of one head, with a
-        tensor ``query_start`` (a compiled static cache's decoding step), with dropout, or when a gradient is
-        recorded (grad mode on and a tensor or the bias requiring one); else (B, H, Lq, Dv).
+        tensor ``query_start`` (a compiled static cache's decoding step), with dropout, for the ``structured``
+        backend, or when a gradient is recorded (grad mode on and a tensor or the bias requiring one); else
+        (B, H, Lq, Dv).
     """
     if (not torch.compiler.is_compiling() or not isinstance(hf_mask, torch.Tensor) or hf_mask.dim() != 4
-            or hf_mask.shape[1] != 1 or type(query_start) is not int or dropout_p != 0):
+            or hf_mask.shape[1] != 1 or type(query_start) is not int or dropout_p != 0 or backend in _NOT_TAKEN):
         return None
     tensors = (query, key, value, *bias.parameters())
     if torch.is_grad_enabled() and any(tensor.requires_grad for tensor in tensors):
