@@ -53,7 +53,8 @@ _INTEGRATION_LAYERS = (
     {"transformers"},
     {"alibi_decoders"},
     {"t5", "longt5", "mpnet", "bloom", "mpt", "falcon"},
-    {"common", "patches", "t5_attention", "alibi_common", "masks", "hidden_rows", "loading", "__init__"},
+    {"common", "patches", "t5_attention", "alibi_common", "compiled_masks", "masks", "hidden_rows", "loading",
+     "__init__"},
 )
 
 
