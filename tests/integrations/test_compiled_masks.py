@@ -16,6 +16,7 @@ from relbias.integrations.masks import relbias_mask_from_hf  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, check_transformers_version  # noqa: E402
 from relbias.integrations.transformers import patch  # noqa: E402
 
+from .._markers import requires_inductor_vector_isa  # noqa: E402
 from .._tolerance import assert_rounding_close  # noqa: E402
 
 try:
@@ -182,6 +183,7 @@ def test_compiled_patched_models_take_the_key_padding_form(name, monkeypatch):
     torch._dynamo.reset()
 
 
+@requires_inductor_vector_isa  # flex compiles FlexAttention with inductor on the CPU
 def test_the_op_runs_flex_on_a_compiled_graphs_first_call():
     """PyTorch runs a compiled graph's custom ops once under a dispatch mode (its aliasing check); the op's work runs
     as eager code there: flex (whose block masks use vmap, and whose one-time self-test compiles FlexAttention) gives
