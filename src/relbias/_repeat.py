@@ -9,8 +9,9 @@ from that signature, except what reads values, which every repeat reads again:
   version counter and dtype of each) must equal the one taken when the signature was validated, whose finiteness
   check it stands for (a parameter written in place, replaced or cast sends the call down the full path);
 * NaN/inf in keys or values that some query cannot see
-  (:attr:`~relbias.call.AttentionCall.hidden_keys_finite`): read on every repeat of a signature that hides keys; a
-  non-finite one sends the call down the full path, which chooses a backend that confines it.
+  (:attr:`~relbias.call.AttentionCall.hidden_keys_finite`): read on every repeat of a signature that hides keys,
+  unless the backend confines them itself (:meth:`~relbias.backends.base.Backend.confines_non_finite`, as the native
+  decode kernel does); a non-finite one sends the call down the full path, which chooses a backend that confines it.
 
 A repeat then costs a dictionary lookup, the stamp and the backend's forward. Kept are inference calls (grad mode
 off, outside ``torch.compile``) without a mask, dropout, window, grouped-query heads or tensor positions, whose
@@ -92,7 +93,7 @@ def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Ten
     state = call.__dict__
     state.update(fields)
     state.update(query=query, key=key_, value=value, bias=bias, return_lse=return_lse, _cache=derived.copy())
-    if hides and not call.hidden_keys_finite:
+    if hides and not backend.confines_non_finite(call) and not call.hidden_keys_finite:
         return None
     return backend, call
 

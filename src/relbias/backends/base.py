@@ -49,6 +49,14 @@ class Backend(abc.ABC):
         :attr:`relbias.call.AttentionCall.hidden_keys_finite`.
         """
 
+    def confines_non_finite(self, call: AttentionCall) -> bool:
+        """Whether :meth:`forward` keeps a NaN/inf in a key or value to the queries that see it for ``call``
+        (default False: a fused kernel that multiplies a hidden key's probability 0 by its value spreads it, and
+        the backend's reasons refuse a call whose hidden keys hold one, see
+        :attr:`~relbias.call.AttentionCall.hidden_keys_finite`). True lets the backend's reasons and a repeated
+        call skip reading those keys. Reads no value; O(1)."""
+        return False
+
     def auto_reasons(self, call: AttentionCall) -> list[str]:
         """Why ``backend="auto"`` passes this backend over although it could run ``call`` (default none).
 

@@ -14,7 +14,8 @@ For the families whose values read their parameters alone (T5, per-offset, ALiBi
 per-offset values as a view into one table per bias (:mod:`relbias.backends._shared.offset_table`), grown
 geometrically with the keys: the layers and steps of a decoder compute no bias until the keys outgrow it.
 
-Nothing of K or V is copied or scanned (only keys some query cannot see are checked for NaN/inf, see
+Nothing of K or V is copied or scanned: the native kernel keeps a NaN/inf in a key or value to the queries that see
+it, and only for the flash path are the keys some query cannot see checked for NaN/inf (see
 :attr:`relbias.call.AttentionCall.hidden_keys_finite`); a query with no visible key gets output 0 and lse -inf.
 
 Inference only (neither kernel gives a gradient for the bias here); float32 and float64 (half-precision masks would
@@ -145,14 +146,10 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     query, key or value the kernel would copy (:func:`~relbias.backends.toeplitz._native.read_in_place`; a static
     cache's view is read in place), under torch.compile (SDPA is one graph node), or where the native kernels do not
     run (not built: no warning)."""
-    bias, query, key, value = call.bias, call.query, call.key, call.value
-    if call.mask is not None or not isinstance(bias, RelativeBias) or not bias.offset_only:
-        return None
-    if not _toeplitz_native.read_in_place(query, key, value) or torch.compiler.is_compiling():
-        return None
-    module = _toeplitz_native.loaded_native(query)
+    module = _native_module(call)
     if module is None:
         return None
+    query, key, value = call.query, call.key, call.value
     w = _reversed(call)
     a = call.alignment
     left, right = (-1, -1) if call.window is None else kernel_sides(call.window, a.min_offset, a.max_offset)
@@ -161,6 +158,21 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
                                        _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True,
                                        None, 0.0, 0, 0, 0, left, right)  # no padding, no dropout; the window
     return out, lse
+
+
+def _native_module(call: AttentionCall):
+    """The native extension when :func:`_native_forward` runs ``call`` (see there), else None; decided once per
+    call."""
+    return call._cached("decode_native", lambda: _find_native(call))
+
+
+def _find_native(call: AttentionCall):
+    bias = call.bias
+    if call.mask is not None or not isinstance(bias, RelativeBias) or not bias.offset_only:
+        return None
+    if not _toeplitz_native.read_in_place(call.query, call.key, call.value) or torch.compiler.is_compiling():
+        return None
+    return _toeplitz_native.loaded_native(call.query)
 
 
 class DecodeBackend(Backend):
@@ -184,7 +196,14 @@ class DecodeBackend(Backend):
         if call.query.dtype not in (torch.float32, torch.float64):
             reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias")
         reasons += cpu_flash_reasons(call)
-        return reasons or non_finite_reasons(narrow_to_window(call), "the decode kernel")  # the keys it reads
+        if reasons:
+            return reasons
+        return [] if self.confines_non_finite(call) else non_finite_reasons(narrow_to_window(call), "the decode kernel")
+
+    def confines_non_finite(self, call: AttentionCall) -> bool:
+        # relbias' native kernel reads the values a row cannot see only to check them, and where one is NaN/inf it
+        # multiplies each row by its own keys alone (csrc/toeplitz_forward.cpp, pv_product); CPU flash does not
+        return _native_module(narrow_to_window(call)) is not None
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_attention(call)

@@ -14,7 +14,8 @@
 //     l = a l + sum_j P,  O = a O + P v                             (row scaling, GEMM)
 //   out = O / l,  lse = m + log l
 //
-// Keys beyond a row's diagonal (causal) or outside its window get P = 0 exactly without being exponentiated; terms exp(x - m') below
+// Keys beyond a row's diagonal (causal) or outside its window get P = 0 exactly without being exponentiated, and their
+// values reach no row that cannot see them, even NaN/inf ones (pv_product); terms exp(x - m') below
 // e^-87 are dropped (0), as float32 flushes them (they are below 2^-126 of the row's largest term, 1). A key padding
 // mask is one more additive row per (b, h), 0 or -inf (x = S + w + pad: a padded key's P is exactly 0), and a key
 // tile whose keys are all padded is skipped (no GEMM). A query that sees no key (causal, every key after it, or
@@ -118,6 +119,65 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
   return sum;
 }
 
+// Whether rows [r0, r1) of a value block (rows ld apart, Dv entries each) hold no NaN/inf: an exponent of all ones,
+// read as bits (an integer OR reduction, which vectorises without -ffast-math).
+template <typename T>
+bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
+  using Bits = typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type;
+  constexpr int kLanes = kVectorBytes / sizeof(T);
+  typedef Bits Vec __attribute__((vector_size(kVectorBytes)));
+  typedef decltype(Vec{} == Vec{}) Mask;  // the signed lanes of a vector comparison
+  const Bits exponent = sizeof(T) == 4 ? Bits(0x7F800000u) : Bits(0x7FF0000000000000ull);
+  const Vec exponents = Vec{} + exponent;
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* row = v + r * ld;
+    Mask bad = {};
+    int64_t d = 0;
+    for (; d + kLanes <= Dv; d += kLanes) {
+      Vec x;
+      std::memcpy(&x, row + d, sizeof(Vec));
+      bad |= (x & exponents) == exponents;
+    }
+    bool any = false;
+    for (int l = 0; l < kLanes; ++l) any |= bad[l] != 0;
+    for (; d < Dv; ++d) {
+      Bits x;
+      std::memcpy(&x, row + d, sizeof(T));
+      any |= (x & exponent) == exponent;
+    }
+    if (any) return false;
+  }
+  return true;
+}
+
+// O += P v for a key tile of bk keys from key k0 (P: the tile's rows, tile_k apart, 0 at the keys a row cannot
+// see; vt: the tile's first value row). One GEMM, unless a value that some row cannot see holds NaN/inf, which the
+// GEMM would carry to that row (0 * NaN): then one GEMM per row over the keys it sees, so a NaN/inf reaches exactly
+// the rows that see it, as without the band. The keys hidden from some row of the tile are those before the last
+// row's first key or from the first row's end on (both ends move forward with the row); checking them reads
+// O(bk Dv) values against the GEMM's O(bq bk Dv) work, and none at all in a tile every row sees whole.
+template <typename T>
+void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const T* P,
+                int64_t tile_k, const T* vt, int64_t v_ld, int64_t Dv, T* ob, bool blas) {
+  const int64_t bq = i1 - i0;
+  int64_t first_beg, first_end, last_beg, last_end;
+  band.row(i0, Lk, k0, bk, first_beg, first_end);
+  band.row(i1 - 1, Lk, k0, bk, last_beg, last_end);
+  const bool finite = first_end <= last_beg ? rows_finite(vt, v_ld, 0, bk, Dv)
+                                            : rows_finite(vt, v_ld, 0, last_beg, Dv) &&
+                                                  rows_finite(vt, v_ld, first_end, bk, Dv);
+  if (finite) {
+    gemm<T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, T(1), ob, Dv, blas);
+    return;
+  }
+  for (int64_t a = 0; a < bq; ++a) {
+    int64_t jbeg, jend;
+    band.row(i0 + a, Lk, k0, bk, jbeg, jend);
+    gemm<T>(false, false, 1, Dv, jend - jbeg, T(1), P + a * tile_k + jbeg, tile_k, vt + jbeg * v_ld, v_ld, T(1),
+            ob + a * Dv, Dv, blas);
+  }
+}
+
 template <typename T>
 void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
                     const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout, double scale_d,
@@ -206,7 +266,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        gemm<T>(false, false, bq, Dv, bk, T(1), S, tile_k, vb + k0 * v_ld, v_ld, T(1), ob, Dv, blas);
+        pv_product(band, i0, i1, Lk, k0, bk, S, tile_k, vb + k0 * v_ld, v_ld, Dv, ob, blas);
       }
       for (int64_t a = 0; a < bq; ++a) {
         T* __restrict__ orow = ob + a * Dv;
