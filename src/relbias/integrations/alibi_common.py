@@ -21,8 +21,8 @@ from ..biases.alibi import ALiBiBias
 from ..functional import attention, attention_with_weights
 from .compiled_masks import compiled_hf_attention
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
-from .masks import hf_visible, relbias_mask_from_hf
-from .masks import keys_in_one_run as _contiguous
+from .masks import dense_key_bias, hf_visible, offsets_count_positions, relbias_mask_from_hf
+from .masks import keys_in_one_run as _contiguous  # noqa: F401 - its old name here (pickles name it)
 
 __all__ = ["ALiBiPatch", "alibi_attention", "dropout_probability", "replace_forwards"]
 
@@ -60,8 +60,7 @@ class ALiBiPatch:
         mask, is_causal = relbias_mask_from_hf(hf_mask, is_causal=True, query_start=query_start)
         # Whether a mask's visible keys form one run is a value a compiled graph cannot branch on: it takes the
         # general (counted) positions there, exact for any mask.
-        runs = mask is None or (not compiling and _contiguous(mask, end))
-        per_offset = not counted_positions or (is_causal and runs)
+        per_offset = not counted_positions or offsets_count_positions(mask, is_causal, end, read_values=not compiling)
         converted = (mask, is_causal, per_offset, hidden_rows(hf_mask))
         if not compiling:
             self._mask_cache = None if hf_mask is None else (weakref.ref(hf_mask), query_start, end, converted)
@@ -135,9 +134,8 @@ def alibi_attention(
     if per_offset:
         call.update(bias=patch.bias, mask=mask, is_causal=is_causal, convention=convention)
     else:  # the model's own per-key bias, dense, with the mask as it is
-        visible = hf_visible(hf_mask)
-        bias = key_bias(visible[:, 0, -1, :])  # the last query sees every visible key up to it
-        call.update(mask=bias.masked_fill(~visible, float("-inf")), is_causal=False)
+        bias = key_bias(hf_visible(hf_mask)[:, 0, -1, :])  # the last query sees every visible key up to it
+        call.update(mask=dense_key_bias(bias, hf_mask), is_causal=False)
     if output_attentions:
         expanded_key, expanded_value = expand_kv_heads(query, key, value, call.pop("enable_gqa"))
         _, probs = attention_with_weights(query, expanded_key, expanded_value, **call)

@@ -24,7 +24,7 @@ from torch._C import DispatchKey
 from ..biases.function import FunctionBias
 from ..functional import attention
 from ..positions import resolve_alignment
-from .masks import hf_visible, keys_in_one_run, relbias_mask_from_hf
+from .masks import dense_key_bias, hf_visible, offsets_count_positions, relbias_mask_from_hf
 
 __all__ = ["compiled_hf_attention", "hf_masked_attention"]
 
@@ -83,8 +83,8 @@ def _run(query, key, value, hf_mask, offset_values, key_bias, query_start, is_ca
     mask, causal = relbias_mask_from_hf(hf_mask, is_causal=is_causal, query_start=query_start)
     call = dict(scale=scale, query_start=query_start, key_start=0, backend=backend, enable_gqa=enable_gqa)
     end = query_start + query.shape[2]
-    if key_bias is not None and not (causal and (mask is None or keys_in_one_run(mask, end))):
-        dense = key_bias.masked_fill(~hf_visible(hf_mask), float("-inf"))  # (B, H, Lq, Lk)
+    if key_bias is not None and not offsets_count_positions(mask, causal, end):
+        dense = dense_key_bias(key_bias, hf_mask)  # (B, H, Lq, Lk)
         return attention(query, key, value, mask=dense, is_causal=False, **call).contiguous()
     low = query_start - (key.shape[2] - 1)
     bias = FunctionBias(functools.partial(_lookup, offset_values, low), num_heads=offset_values.shape[0],

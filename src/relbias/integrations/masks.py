@@ -18,7 +18,7 @@ import torch
 
 from ..positions import resolve_alignment
 
-__all__ = ["hf_visible", "keys_in_one_run", "relbias_mask_from_hf"]
+__all__ = ["dense_key_bias", "hf_visible", "keys_in_one_run", "offsets_count_positions", "relbias_mask_from_hf"]
 
 
 def hf_visible(mask: torch.Tensor) -> torch.Tensor:
@@ -34,6 +34,23 @@ def keys_in_one_run(key_padding: torch.Tensor, end: int) -> bool:
     visible = key_padding.reshape(key_padding.shape[0], -1)[:, :end]
     rises = (visible[:, 1:] & ~visible[:, :-1]).sum(dim=1) + visible[:, 0].long()
     return bool((rises <= 1).all())
+
+
+def offsets_count_positions(mask: torch.Tensor | None, is_causal: bool, end: int, *, read_values: bool = True) -> bool:
+    """Whether a model that counts positions over visible tokens (BLOOM, Falcon) may have its bias read per offset:
+    under the causal rule, with no mask or a bool key padding mask (B, 1, 1, Lk) whose visible keys among the first
+    ``end`` form one run in each row (:func:`keys_in_one_run`; positions and offsets then differ by one constant per
+    row, which softmax ignores). ``(mask, is_causal)`` as :func:`relbias_mask_from_hf` returns them. With
+    ``read_values=False`` (a compiled graph, which cannot branch on values) only the mask-free case counts. Otherwise
+    the model's own per-key bias runs, dense with the mask (:func:`dense_key_bias`)."""
+    return is_causal and (mask is None or (read_values and keys_in_one_run(mask, end)))
+
+
+def dense_key_bias(key_bias: torch.Tensor, hf_mask: torch.Tensor) -> torch.Tensor:
+    """A model's own per-key bias (B, H, 1, Lk), logits after scaling, with transformers' 4-D mask (B, 1, Lq, Lk)
+    folded in: float (B, H, Lq, Lk), -inf where a key is hidden, as relbias' additive ``mask`` (used when the offsets
+    do not stand for the model's positions, :func:`offsets_count_positions`)."""
+    return key_bias.masked_fill(~hf_visible(hf_mask), float("-inf"))
 
 
 def relbias_mask_from_hf(
