@@ -49,13 +49,14 @@ class Dropout:
 
     Attributes:
         p: drop probability in (0, 1).
-        seed: 31-bit seed drawn once per call.
+        seed: 31-bit seed drawn once per call: an int, or under ``torch.compile`` a 0-dim int64 tensor drawn in the
+            graph (read by the kernels where they run, so no value leaves the graph).
         query_start, key_start: absolute positions (tokens) of the call's first query and key; masks are keyed
             by absolute positions, so blocks of one sequence (split keys, shards) draw consistent bits.
     """
 
     p: float
-    seed: int
+    seed: int | torch.Tensor
     query_start: int
     key_start: int
 
@@ -68,7 +69,10 @@ class Dropout:
             values = (torch.arange(n, device=device) + start + 2**31) % 2**32 - 2**31  # int64, into int32's range
             return values.to(torch.int32).reshape(shape)
 
-        h = _mix_(torch.full((1, 1, 1, 1), _int32(self.seed), device=device, dtype=torch.int32))
+        if isinstance(self.seed, torch.Tensor):  # 31 bits: int32 holds it as it is
+            h = _mix_(self.seed.to(device=device, dtype=torch.int32).reshape(1, 1, 1, 1).clone())
+        else:
+            h = _mix_(torch.full((1, 1, 1, 1), _int32(self.seed), device=device, dtype=torch.int32))
         h = _mix_(h ^ coordinate(0, batch, 0))
         h = _mix_(h ^ coordinate(0, heads, 1))
         h = _mix_(h ^ coordinate(self.query_start + t0, t1 - t0, 2))

@@ -286,7 +286,7 @@ def make_call(
             )
         mask = attn_mask
     key, value = expand_kv_heads(query, key, value, enable_gqa)
-    dropout = _dropout(dropout_p, generator)
+    dropout = _dropout(dropout_p, generator, getattr(query, "device", None))
     window = check_window(window)
     alignment, stamp = _attention_inputs.check_call(
         query, key, value, bias=bias, mask=mask, is_causal=is_causal, query_start=query_start, key_start=key_start,
@@ -332,13 +332,18 @@ def _band_mask(mask: torch.Tensor | None, alignment: Alignment, band: tuple, dev
     return torch.where(inside, mask, float("-inf"))
 
 
-def _dropout(dropout_p: object, generator: object) -> Dropout | None:
-    """Validate ``dropout_p`` / ``generator`` and draw the call's 31-bit mask seed (None when p is 0)."""
+def _dropout(dropout_p: object, generator: object, device: torch.device | None = None) -> Dropout | None:
+    """Validate ``dropout_p`` / ``generator`` and draw the call's 31-bit mask seed (None when p is 0): an int read on
+    the host, or under ``torch.compile`` a 0-dim int64 tensor on ``device`` (the generator's when one is given; CPU
+    by default), drawn in the graph, whose value the kernels read where they run (an int would end the graph)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     if dropout_p == 0:
         return None
+    if torch.compiler.is_compiling():
+        where = generator.device if generator is not None else (device or "cpu")
+        return Dropout(float(dropout_p), torch.randint(0, 2**31 - 1, (), generator=generator, device=where), 0, 0)
     seed = int(torch.randint(0, 2**31 - 1, (), generator=generator, device="cpu"))  # host-side, one draw per call
     return Dropout(float(dropout_p), seed, 0, 0)

@@ -247,7 +247,9 @@ def test_the_custom_ops_match_the_float64_formula(c):
     kpad = _additive(keep, c.dtype)
     if kpad is not None and kpad.shape[:2] == (1, 1) and c.b * c.h > 1:
         kpad = kpad.expand(c.b, c.h, -1)  # a full-size padding row, broadcast (the ops make it contiguous)
-    settings_ = (c.scale, c.bias_scale, c.delta, c.is_causal, c.tiles[0], c.tiles[2], *c.dropout, *c.window)
+    p_drop, seed, query_start, key_start = c.dropout  # the ops take the seed as a tensor (drawn in a graph)
+    settings_ = (c.scale, c.bias_scale, c.delta, c.is_causal, c.tiles[0], c.tiles[2], p_drop, torch.tensor(seed),
+                 query_start, key_start, *c.window)
     before = _threads(c.threads)
     try:
         out, lse = toeplitz_forward(q, k, v, values, kpad, *settings_)

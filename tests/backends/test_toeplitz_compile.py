@@ -56,7 +56,7 @@ def test_the_custom_ops_pass_torch_library_opcheck(values_grad, window, padded, 
         padding[:, 0, 5:] = float("-inf")
         padding[:, 1, :] = float("-inf")
     # scale, bias_scale, delta, is_causal, block_q, tile, dropout_p, seed, query_start, key_start, the window's sides
-    settings = (0.5, 1.0, 2, True, 3, 4, dropout_p, 7, 0, 0, *window)
+    settings = (0.5, 1.0, 2, True, 3, 4, dropout_p, torch.tensor(7), 0, 0, *window)
     torch.library.opcheck(toeplitz_forward, (q, k, v, values, padding, *settings))
     out, lse = toeplitz_forward(q, k, v, values.detach(), padding, *settings)
     grads = (torch.randn_like(out), torch.randn_like(lse))

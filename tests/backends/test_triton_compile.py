@@ -70,6 +70,50 @@ def test_the_custom_ops_pass_torch_library_opcheck(name, values_grad):
                                             values_grad))
 
 
+def test_the_forward_op_reads_a_batch_seed_from_memory_as_it_takes_one_by_value():
+    """A batch call's seed drawn in a compiled graph reaches the kernels as an int32 (1,) tensor (``seeds``, read by
+    them): the ops pass opcheck with it, and drop exactly the entries the same seed passed by value drops."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, H, 18, D, generator=gen).requires_grad_() for _ in range(3))
+    values = torch.randn(35, H, generator=gen).t().requires_grad_()
+    in_memory = (0.5, 1.0, None, None, 0, 3, 1, 0.3, 0, 0, 16)  # batch_seed 0: unused
+    seed = torch.tensor([12345], dtype=torch.int32)
+    args = (q, k, v, values, None, None, seed, *in_memory)
+    torch.library.opcheck(triton_forward, args)
+    out, lse = triton_forward(*args)
+    by_value, _ = triton_forward(q, k, v, values, None, None, None, *_settings(dropout_p=0.3))
+    torch.testing.assert_close(out, by_value, rtol=0, atol=0)
+    grads = (torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen))
+    torch.library.opcheck(triton_backward, (*grads, q.detach(), k.detach(), v.detach(), values.detach(), None, None,
+                                            seed, out.detach(), lse.detach(), *in_memory, True, True, True))
+
+
+def test_a_compiled_padded_call_with_dropout_equals_eager_without_graph_breaks():
+    """The seed is drawn in the graph (the global generator's next number, as eager draws it) and read by the
+    kernels: no graph break; aot_eager and inductor drawing eager's random numbers equal eager."""
+    import torch._inductor.config as inductor_config
+
+    bias = _t5(causal=True)
+    q, k, v = (torch.randn(2, H, 20, D, generator=torch.Generator().manual_seed(n)) for n in range(3))
+    mask = torch.ones(2, 1, 1, 20, dtype=torch.bool)
+    mask[0, ..., 14:] = False
+
+    def f(q, k, v):
+        return relbias.attention(q, k, v, bias=bias, mask=mask, is_causal=True, dropout_p=0.3, backend="triton")
+
+    explained = torch._dynamo.explain(f)(q, k, v)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch.manual_seed(4)
+    want = _results(f, bias, q, k, v)
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        torch.manual_seed(4)
+        with inductor_config.patch(fallback_random=True):
+            got = _results(torch.compile(f, fullgraph=True, backend=backend), bias, q, k, v)
+        for name, a, b in zip(["out", "dq", "dk", "dv", "dbias"], got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{backend} {name}: {m}")
+
+
 def _results(fn, bias, *tensors):
     tensors = [t.detach().clone().requires_grad_() for t in tensors]
     bias.zero_grad(set_to_none=True)
@@ -128,16 +172,18 @@ def test_compiled_packed_sequences_equal_eager_without_graph_breaks():
     _assert_compiled_equals_eager(f, bias, q, k, v, backends=("aot_eager",))
 
 
-def test_a_compiled_patched_t5_trains_as_eager():
+@pytest.mark.parametrize("dropout_rate", [0.0, 0.1])
+def test_a_compiled_patched_t5_trains_as_eager(dropout_rate):
     """A tiny T5 patched with backend="triton", three AdamW steps, compiled (aot_eager, fullgraph=True) and eager
-    from the same weights: the same losses and parameters. (Compiled, a padding mask reaches relbias whole, as a mask
-    with a query dimension, which triton does not take: such calls run blockwise under auto.)"""
+    from the same weights and seed, without dropout and with T5's (its attention dropout inside relbias' kernels):
+    the same losses and parameters. (Compiled, a padding mask reaches relbias whole, as a mask with a query
+    dimension, which triton does not take: such calls run blockwise under auto.)"""
     transformers = pytest.importorskip("transformers")
     from relbias.integrations.transformers import patch
 
     config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
                                    num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-                                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+                                   dropout_rate=dropout_rate, decoder_start_token_id=0, pad_token_id=0)
     torch.manual_seed(0)
     start = transformers.T5ForConditionalGeneration(config)
     gen = torch.Generator().manual_seed(1)
@@ -152,6 +198,7 @@ def test_a_compiled_patched_t5_trains_as_eager():
             assert explained.graph_break_count == 0, explained.break_reasons
             step = torch.compile(model, fullgraph=True, backend="aot_eager")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(2)
         losses = []
         for _ in range(3):
             loss = step(input_ids=ids, labels=labels).loss

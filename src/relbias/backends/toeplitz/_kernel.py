@@ -25,13 +25,15 @@ _NEG_INF = float("-inf")
 def _forward_impl(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, values: torch.Tensor,
     key_padding: torch.Tensor | None, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int,
-    tile: int, dropout_p: float, seed: int, query_start: int, key_start: int, window_left: int, window_right: int,
+    tile: int, dropout_p: float, seed: torch.Tensor, query_start: int, key_start: int, window_left: int,
+    window_right: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out (B, H, Lq, Dv) in the dtype of ``query``, lse (B, H, Lq) float32 / float64); see the module.
     ``key_padding``: None or the key padding mask as an additive (Bm, Hm, Lk) row in the dtype of ``query``, 0 or
     -inf (:func:`relbias.backends._shared.masks.additive_mask` without its query dimension). ``dropout_p`` > 0: attention dropout with the counter-based mask of
     ``seed`` at the absolute positions ``query_start``, ``key_start`` (:class:`relbias._dropout.Dropout`; the native
-    kernels only: the caller sees to it). ``tile`` is the backward's (kept with the forward's settings). The fused C++
+    kernels only: the caller sees to it); ``seed`` a 0-dim integer tensor as the op's (drawn in a compiled graph),
+    or an int in eager calls of the function itself. ``tile`` is the backward's (kept with the forward's settings). The fused C++
     forward (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
     else PyTorch's CPU flash kernel per block of ``block_q`` query rows. ``window_left``, ``window_right``: a
     local-attention window's sides, -1 for no bound (:func:`relbias.window.kernel_sides`; the native kernels only)."""
@@ -119,7 +121,7 @@ def _backward_impl(
     grad_out: torch.Tensor, grad_lse: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor,
     value: torch.Tensor, values: torch.Tensor, key_padding: torch.Tensor | None, out: torch.Tensor,
     lse: torch.Tensor, scale: float, bias_scale: float, delta: int, is_causal: bool, block_q: int, tile: int,
-    dropout_p: float, seed: int, query_start: int, key_start: int, window_left: int, window_right: int,
+    dropout_p: float, seed: torch.Tensor, query_start: int, key_start: int, window_left: int, window_right: int,
     values_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dvalues): dvalues (Hb, M) in the dtype of ``values``, or empty when not ``values_grad``;
@@ -168,8 +170,9 @@ def _settings(plan: dict) -> tuple:
     """The ops' settings from a plan, in their order: scale, bias_scale, delta, is_causal, block_q, tile, the
     dropout's dropout_p, seed, query_start, key_start (0.0, 0, 0, 0 without) and the window's window_left,
     window_right (-1, -1 without)."""
+    seed = plan.get("seed", 0)  # a tensor drawn in a compiled graph stays one (read where the kernels run)
     return (float(plan["scale"]), float(plan["bias_scale"]), plan["delta"], plan["is_causal"], plan["block_q"],
-            plan["tile"], float(plan.get("dropout_p", 0.0)), int(plan.get("seed", 0)),
+            plan["tile"], float(plan.get("dropout_p", 0.0)), seed if isinstance(seed, torch.Tensor) else int(seed),
             int(plan.get("query_start", 0)), int(plan.get("key_start", 0)), int(plan.get("window_left", -1)),
             int(plan.get("window_right", -1)))
 
@@ -243,10 +246,13 @@ def toeplitz_apply(query, key, value, values, plan: dict, key_padding=None) -> t
     is_causal, block_q, tile, and the additive ``key_padding`` (None or (Bm, Hm, Lk)); as the custom ops while
     torch.compile traces, else as plain functions (the forward alone where nothing needs a gradient: inference, no
     autograd bookkeeping per call)."""
+    settings = _settings(plan)
     if torch.compiler.is_compiling():
-        apply = toeplitz_forward
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, values)):
+        if not isinstance(settings[7], torch.Tensor):  # the op's seed is a tensor (0 without dropout)
+            settings = (*settings[:7], torch.tensor(settings[7]), *settings[8:])
+        return toeplitz_forward(query, key, value, values, key_padding, *settings)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, values)):
         apply = _Eager.apply
     else:
         apply = _forward_impl
-    return apply(query, key, value, values, key_padding, *_settings(plan))
+    return apply(query, key, value, values, key_padding, *settings)

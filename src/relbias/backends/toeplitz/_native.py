@@ -63,6 +63,7 @@ def load_native():
     return _loaded.get("module")
 
 
+@torch.compiler.assume_constant_result  # a compiled graph asks once, when traced: the build runs outside the graph
 def native_unavailable_reason() -> str | None:
     """Why the native kernel is not used (``RELBIAS_NATIVE=0``, or the build's error), or None when it is; the
     first call builds or loads it."""

@@ -112,6 +112,18 @@ def triton_attention(call: AttentionCall, *, block: int | None = None) -> tuple[
     return triton_apply(call.query, call.key, call.value, call.native_bias().values, padding, plan)
 
 
+def _seeds(seeds: list | None, dropout, device: torch.device) -> torch.Tensor | None:
+    """The plan's seeds tensor, int32 on ``device``: each packed sequence's (ints, or 0-dim tensors drawn in a
+    compiled graph), a batch call's seed drawn in a compiled graph as (1,), else None."""
+    if seeds is not None:
+        if any(isinstance(seed, torch.Tensor) for seed in seeds):
+            return torch.stack([torch.as_tensor(seed, device=device) for seed in seeds]).to(torch.int32)
+        return torch.tensor(seeds, dtype=torch.int32, device=device)
+    if dropout is not None and isinstance(dropout.seed, torch.Tensor):
+        return dropout.seed.reshape(1).to(device=device, dtype=torch.int32)
+    return None
+
+
 def make_plan(call: AttentionCall, block: int | None, *, cu_seqlens: torch.Tensor | None = None,
               seeds: list[int] | None = None, max_len: int = 0):
     """The kernels' :class:`._plan.Plan` for ``call`` (for packed sequences: ``call`` is the longest one's, with the
@@ -134,7 +146,7 @@ def make_plan(call: AttentionCall, block: int | None, *, cu_seqlens: torch.Tenso
         query_pos=0 if dropout is None else int(dropout.query_start),
         key_pos=0 if dropout is None else int(dropout.key_start),
         dropout_p=0.0 if dropout is None else dropout.p,
-        seeds=None if seeds is None else torch.tensor(seeds, dtype=torch.int32, device=device),
-        batch_seed=0 if dropout is None else int(dropout.seed),
+        seeds=_seeds(seeds, dropout, device),
+        batch_seed=0 if dropout is None or isinstance(dropout.seed, torch.Tensor) else int(dropout.seed),
         cu_seqlens=cu_seqlens, max_len=max_len, block=block,
     )

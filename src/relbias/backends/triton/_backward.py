@@ -70,11 +70,11 @@ def _dkdv_kernel(
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
     batch_seed, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
-    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN, SEED_IN_MEMORY)
     start_n = tl.program_id(0) * BLOCK
     if start_n < lk:
         offs_n = start_n + tl.arange(0, BLOCK)
@@ -108,11 +108,11 @@ def _dq_kernel(
     sqb, sqh, sql, skb, skh, skl, svb, svh, svl, sdb, sdh, sdl, slb, slh, swh, spb, sph,
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
     batch_seed, HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     h = tl.program_id(1)
-    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN)
+    b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, tl.program_id(2), Lq, Lk, IS_VARLEN, SEED_IN_MEMORY)
     start_m = tl.program_id(0) * BLOCK
     if start_m < lq:
         offs_m = start_m + tl.arange(0, BLOCK)

@@ -34,7 +34,7 @@ def _band_kernel(
     Lq, Lk, D, DV, scale, bias_scale, delta, val_off, lo, hi, query_pos, key_pos, drop_threshold, drop_scale,
     batch_seed, S, FIRST_BAND,
     HAS_LO: tl.constexpr, HAS_HI: tl.constexpr, HAS_PAD: tl.constexpr, HAS_DROPOUT: tl.constexpr,
-    IS_VARLEN: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     band = tl.program_id(0)
@@ -44,7 +44,7 @@ def _band_kernel(
     offs_dv = tl.arange(0, BLOCK_DV)
     acc = tl.zeros((BLOCK, BLOCK), tl.float32)
     for s in range(0, S):
-        b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN)
+        b, q0, k0, lq, lk, seed = sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN, SEED_IN_MEMORY)
         first = tl.maximum(r, 0)
         last = tl.minimum((lq + BLOCK - 1) // BLOCK, (lk + BLOCK - 1) // BLOCK + r)
         for qt in range(first, last):

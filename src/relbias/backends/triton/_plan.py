@@ -21,8 +21,10 @@ class Plan:
         delta: ``query_start - key_start`` (tokens; 0 for packed sequences).
         query_pos, key_pos: absolute positions (tokens) of the first query and key, for the dropout mask.
         dropout_p: drop probability, 0 for none.
-        seeds: None, or int32 (N,) on the inputs' device: the dropout seed of each packed sequence.
-        batch_seed: the dropout seed of a batch call (31 bits; 0 without dropout).
+        seeds: None, or int32 (N,) on the inputs' device: the dropout seed of each packed sequence; for a batch
+            call, None, or int32 (1,) on the device: its seed drawn in a compiled graph, read by the kernels (no
+            value leaves the device).
+        batch_seed: the dropout seed of a batch call (31 bits; 0 without dropout or with ``seeds``).
         cu_seqlens: None, or int32 (N + 1,) on the device: the packed sequences' boundaries.
         max_len: the longest packed sequence (tokens); 0 for a batch.
         block: query and key rows per tile (tokens; a power of two, at least 16).
@@ -71,9 +73,10 @@ class Plan:
         return (self.max_len if self.varlen else key_len) - 1
 
     def pointers(self, placeholder: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(boundaries, per-sequence seeds): the tensors the kernels read for packed sequences, ``placeholder`` (any
-        tensor on the device, never read) where there are none: a batch call allocates and copies nothing."""
-        seeds = self.seeds if self.varlen and self.seeds is not None else placeholder
+        """(boundaries, seeds): the tensors the kernels read for packed sequences and a seed drawn on the device,
+        ``placeholder`` (any tensor on the device, never read) where there are none: an eager batch call allocates
+        and copies nothing."""
+        seeds = self.seeds if self.seeds is not None else placeholder
         return (self.cu_seqlens if self.varlen else placeholder), seeds
 
     def dropout_scalars(self) -> tuple[int, float, int]:
@@ -115,6 +118,8 @@ def launch_args(plan: Plan, query: torch.Tensor, key: torch.Tensor, value: torch
         0 if hi is None else hi, plan.query_pos, plan.key_pos, threshold, keep_scale, batch_seed,
     ]
     meta = dict(HAS_LO=lo is not None, HAS_HI=hi is not None, HAS_PAD=padding is not None,
-                HAS_DROPOUT=plan.dropout_p > 0, IS_VARLEN=plan.varlen, BLOCK=plan.block, BLOCK_D=block_dim(d),
+                HAS_DROPOUT=plan.dropout_p > 0, IS_VARLEN=plan.varlen,
+                SEED_IN_MEMORY=plan.dropout_p > 0 and not plan.varlen and plan.seeds is not None,
+                BLOCK=plan.block, BLOCK_D=block_dim(d),
                 BLOCK_DV=block_dim(dv), PRECISION=precision(query.dtype))
     return pointers, args, meta

@@ -15,15 +15,19 @@ __all__ = ["keep_mask", "key_row", "key_tiles", "query_tiles", "sequence", "tile
 
 
 @triton.jit
-def sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN: tl.constexpr):
+def sequence(CU, SEEDS, batch_seed, s, Lq, Lk, IS_VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     """(batch entry, first query row, first key row, query_len, key_len, dropout seed) of sequence ``s``: a packed
-    sequence's seed from ``SEEDS``, a batch's ``batch_seed``."""
+    sequence's seed from ``SEEDS``, a batch's ``batch_seed``, or with ``SEED_IN_MEMORY`` (a seed drawn on the device
+    in a compiled graph) ``SEEDS[0]``."""
     if IS_VARLEN:
         start = tl.load(CU + s)
         length = tl.load(CU + s + 1) - start
         return 0, start, start, length, length, tl.load(SEEDS + s)
     else:
-        return s, 0, 0, Lq, Lk, batch_seed
+        if SEED_IN_MEMORY:
+            return s, 0, 0, Lq, Lk, tl.load(SEEDS)
+        else:
+            return s, 0, 0, Lq, Lk, batch_seed
 
 
 @triton.jit

@@ -56,7 +56,7 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         return None
     seeds = None
     if call.dropout is not None:
-        seeds = [_dropout(dropout_p, generator).seed if n else 0 for n in lengths]
+        seeds = [_dropout(dropout_p, generator, query.device).seed if n else 0 for n in lengths]
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=query.device)
     plan = make_plan(call, None, cu_seqlens=cu_seqlens, seeds=seeds, max_len=lengths[longest])
     out, lse = triton_apply(query, key, value, call.native_bias().values, None, plan)
