@@ -27,6 +27,11 @@ Usage::
 
     python benchmarks/bench_finetune_t5.py                       # lengths 512 1024 2048, dropout 0.1 and 0
     python benchmarks/bench_finetune_t5.py --lengths 512 --rounds 1 --steps 1   # smoke run
+    python benchmarks/bench_finetune_t5.py --variants unpatched-compiled patched-compiled   # under torch.compile
+
+``--variants`` picks the models (the first is the baseline of the ratios): ``unpatched``, ``patched``, and the same
+under ``torch.compile`` (inductor; the warm-up step, at least one, compiles). The backend column names what relbias
+picks for the encoder's self-attention in eager code.
 
 Targets: patched at most 0.95x unpatched time at 512 encoder tokens and at most 0.6x at 2048, with and without
 dropout; peak memory at most 0.5x at 2048.
@@ -45,7 +50,7 @@ import time
 
 from _proc import reset_peak, status_kib
 
-VARIANTS = ("unpatched", "patched")
+VARIANTS = ("unpatched", "patched", "unpatched-compiled", "patched-compiled")
 
 
 def encoder_batch(batch: int, length: int, decoder_len: int, vocab: int):
@@ -85,16 +90,17 @@ def run_child(spec: dict) -> dict:
     input_ids, attention_mask, labels = encoder_batch(spec["batch"], spec["length"], spec["decoder_len"],
                                                       config.vocab_size)
     backend = None
-    if spec["variant"] == "patched":
+    if spec["variant"].startswith("patched"):
         patch_t5(model)
         q = torch.empty(spec["batch"], 8, spec["length"], 64)
         keep = attention_mask.bool()[:, None, None, :]  # the encoder's key padding mask, (B, 1, 1, L)
         backend = relbias.explain_backend(q, q, q, bias=t5_biases_from_model(model).encoder[0], mask=keep,
                                           dropout_p=spec["dropout"])[0]
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    forward = torch.compile(model) if spec["variant"].endswith("-compiled") else model  # compiles in the first step
 
     def step() -> None:
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+        loss = forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -144,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per process (default 1)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["unpatched", "patched"],
+                        help="models to time, the first the baseline of the ratios (default unpatched patched); "
+                             "*-compiled: the model under torch.compile (inductor), compiled in the warm-up step")
     parser.add_argument("--json", help="also write every process's figures to this file")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -157,31 +166,34 @@ def main(argv: list[str] | None = None) -> None:
     print(f"bench_finetune_t5: t5-small shape, batch {args.batch} (encoder rows L/2..L padded to L, "
           f"{args.decoder_len} labels), SGD step, float32, {args.threads} threads, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; load average before {_load()}", flush=True)
-    print(f"{'L':>5} {'dropout':>7} {'unpatched s':>11} {'patched s':>9} {'time p/u':>8} "
-          f"{'unpatched MiB':>13} {'patched MiB':>11} {'memory p/u':>10}  backend", flush=True)
+    variants = list(dict.fromkeys(args.variants))
+    first = variants[0]
+    print(f"{'L':>5} {'dropout':>7} " + " ".join(f"{v + ' s':>20} {'x ' + first:>12}" for v in variants) + "  "
+          + " ".join(f"{v + ' MiB':>22}" for v in variants) + "  backend", flush=True)
     records = []
     for length in args.lengths:
         for dropout in args.dropouts:
             base = dict(length=length, dropout=dropout, batch=args.batch, decoder_len=args.decoder_len,
-                        warmup=args.warmup, steps=args.steps, threads=args.threads)
-            memory, runs = {}, {v: [] for v in VARIANTS}
-            for variant in VARIANTS:
+                        warmup=max(args.warmup, 1), steps=args.steps, threads=args.threads)
+            memory, runs = {}, {v: [] for v in variants}
+            for variant in variants:
                 got = _run({**base, "variant": variant, "measure": "memory"})
                 if got is not None:
                     memory[variant] = got["peak_mib"]
                     records.append({**base, "variant": variant, "measure": "memory", **got})
             for r in range(args.rounds):
-                for variant in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+                for variant in (variants if r % 2 == 0 else variants[::-1]):
                     got = _run({**base, "variant": variant, "measure": "time"})
                     if got is not None:
                         runs[variant].append(got)
                         records.append({**base, "variant": variant, "measure": "time", "round": r, **got})
-            if len(memory) < 2 or not all(runs.values()):
+            if len(memory) < len(variants) or not all(runs.values()):
                 continue
-            u, p = (statistics.median(x["step_s"] for x in runs[v]) for v in VARIANTS)
-            print(f"{length:5d} {dropout:7.2f} {u:11.2f} {p:9.2f} {p / u:7.2f}x {memory['unpatched']:13.0f} "
-                  f"{memory['patched']:11.0f} {memory['patched'] / memory['unpatched']:9.2f}x  "
-                  f"{runs['patched'][0]['backend']}", flush=True)
+            times = {v: statistics.median(x["step_s"] for x in runs[v]) for v in variants}
+            backend = next((runs[v][0]["backend"] for v in variants if runs[v][0]["backend"]), "-")
+            print(f"{length:5d} {dropout:7.2f} " + " ".join(f"{times[v]:20.2f} {times[v] / times[first]:11.2f}x"
+                                                          for v in variants)
+                  + "  " + " ".join(f"{memory[v]:22.0f}" for v in variants) + f"  {backend}", flush=True)
     print(f"load average after {_load()}")
     if args.json:
         with open(args.json, "w") as handle:

@@ -11,7 +11,9 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from relbias import T5Bias, attention  # noqa: E402
 from relbias.backends import BACKENDS  # noqa: E402
-from relbias.integrations.compiled_masks import compiled_hf_attention, hf_masked_attention  # noqa: E402
+from relbias.integrations.compiled_masks import (  # noqa: E402
+    compiled_hf_attention, hf_masked_attention, hf_masked_attention_backward,
+)
 from relbias.integrations.masks import relbias_mask_from_hf  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, check_transformers_version  # noqa: E402
 from relbias.integrations.transformers import patch  # noqa: E402
@@ -76,10 +78,10 @@ def test_the_compiled_op_equals_the_eager_conversion(causal, kind):
     torch._dynamo.reset()
 
 
-def test_no_op_outside_compile_with_gradients_or_dropout():
-    """Eager calls convert the mask themselves (relbias_mask_from_hf); a compiled graph that records gradients,
-    applies dropout, reads a tensor query position (a static cache's decoding step) or a mask of several heads
-    keeps the exact mask."""
+def test_no_op_outside_compile_for_tensor_positions_or_several_mask_heads():
+    """Eager calls convert the mask themselves (relbias_mask_from_hf); a compiled graph that reads a tensor query
+    position (a static cache's decoding step), a mask of several heads or the structured backend keeps the exact
+    mask; gradients and dropout take the op."""
     query = torch.randn(1, 2, 4, 8)
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool)
     bias = T5Bias(2, num_buckets=8, max_distance=16)
@@ -90,18 +92,19 @@ def test_no_op_outside_compile_with_gradients_or_dropout():
 
     assert run(mask, 0) is None
     compiled = torch.compile(run, fullgraph=True, backend="eager")
-    assert compiled(mask, 0) is None  # the bias's table requires a gradient, and grad mode is on
+    assert compiled(mask, 0) is not None  # the bias's table requires a gradient, and grad mode is on
+    assert compiled(mask, 0, 0.1) is not None
     with torch.no_grad():
         assert compiled(mask, 0) is not None
         assert compiled(mask, torch.tensor(0)) is None
         assert compiled(mask.expand(1, 2, 4, 4), 0) is None
-        assert compiled(mask, 0, 0.1) is None
         assert compiled(mask, 0, 0.0, "structured") is None  # reads a family's far-constant distance: not the op's
     torch._dynamo.reset()
 
 
 def test_opcheck():
-    """torch.library.opcheck of relbias::hf_masked_attention (schema, fake implementation, dispatch)."""
+    """torch.library.opcheck of relbias::hf_masked_attention and its backward (schema, fake implementations,
+    dispatch, the autograd registration), with and without a per-key bias, dropout and inputs requiring grad."""
     generator = torch.Generator().manual_seed(0)
     query, key, value = (torch.randn(2, 4, 6, 8, generator=generator) for _ in range(3))
     visible = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
@@ -109,8 +112,16 @@ def test_opcheck():
     values = torch.randn(4, 11, generator=generator)
     for mask in (visible, _hf(visible, "float with values")):
         for key_bias in (None, torch.randn(2, 4, 1, 6, generator=generator)):
-            torch.library.opcheck(hf_masked_attention, (query, key, value, mask, values, key_bias, 0, True, False, None,
-                                                        "t5", "auto", False))
+            for dropout_p, grad in ((0.0, False), (0.0, True), (0.3, True)):
+                tensors = [t.clone().requires_grad_(grad) for t in (query, key, value)]
+                offsets = values.clone().requires_grad_(grad)
+                per_key = None if key_bias is None else key_bias.clone().requires_grad_(grad)
+                settings = (0, True, False, None, "t5", "auto", False, dropout_p, torch.tensor(11))
+                torch.library.opcheck(hf_masked_attention, (*tensors, mask, offsets, per_key, *settings))
+                if grad:
+                    grad_out = torch.randn(2, 4, 6, 8, generator=generator)
+                    torch.library.opcheck(hf_masked_attention_backward,
+                                          (grad_out, query, key, value, mask, values, key_bias, *settings))
 
 
 def _mpnet():
@@ -180,6 +191,75 @@ def test_compiled_patched_models_take_the_key_padding_form(name, monkeypatch):
             keep = mask.bool()[..., None].expand_as(got)  # a query of a left pad sees no key: transformers' mean
             assert_rounding_close(got[keep], want[keep], n=LENGTH)
             assert ran == fast
+    torch._dynamo.reset()
+
+
+def _train_step(model, ids, mask, seed):
+    """(loss, {name: gradient}) of one training step's forward and backward from torch's global seed ``seed``."""
+    torch.manual_seed(seed)
+    out = _output(model, ids, mask)
+    loss = (out * torch.linspace(-1.0, 1.0, out.shape[-1])).mean()
+    loss.backward()
+    return loss.detach(), {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_compiled_patched_models_train_as_eager_on_the_fused_kernels(name, monkeypatch):
+    """A compiled (aot_eager, fullgraph) patched model in training mode on a left-padded batch: the loss and every
+    parameter's gradient equal the eager patched model's, and the toeplitz kernel runs in the forward and again in
+    the backward (the op's recomputation) rather than blockwise on the whole mask."""
+    torch.manual_seed(0)
+    patched = patch(MODELS[name]()).train()
+    ids = torch.randint(2, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, LENGTH, dtype=torch.long)
+    mask[1, :5] = 0
+    want = _train_step(copy.deepcopy(patched), ids, mask, seed=3)
+    compiled = copy.deepcopy(patched)
+    calls = []
+    toeplitz = BACKENDS["toeplitz"]
+    real = toeplitz.forward
+    monkeypatch.setattr(toeplitz, "forward", lambda call: calls.append(call.needs_grad) or real(call))
+    step = torch.compile(compiled, fullgraph=True, backend="aot_eager", dynamic=False)
+    loss, grads = _train_step(step, ids, mask, seed=3)
+    monkeypatch.undo()
+    assert False in calls and True in calls  # the forward (nothing recorded) and the backward's recomputation
+    assert_rounding_close(loss, want[0], n=LENGTH)
+    assert want[1].keys() <= grads.keys()
+    for key in grads:  # a parameter the output does not use (MPNet's pooler): zeros compiled, None eager
+        assert_rounding_close(grads[key], want[1].get(key, torch.zeros_like(grads[key])), n=3 * LENGTH, msg=key)
+    torch._dynamo.reset()
+
+
+def test_a_compiled_patched_t5_with_dropout_trains_as_eager(monkeypatch):
+    """T5's dropout (0.1) on a padded batch, compiled: the op draws the mask seed eager code draws (and the backward
+    drops the same entries), so loss and gradients equal eager's, under aot_eager and under inductor drawing eager's
+    random numbers (``fallback_random``)."""
+    import torch._inductor.config as inductor_config
+
+    config = transformers.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                                   relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                   dropout_rate=0.1, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    patched = patch(transformers.T5ForConditionalGeneration(config)).train()
+    ids = torch.randint(2, VOCAB, (3, LENGTH), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, LENGTH, dtype=torch.long)
+    mask[1, :5] = 0
+    want = _train_step(copy.deepcopy(patched), ids, mask, seed=3)
+    toeplitz = BACKENDS["toeplitz"]
+    real = toeplitz.forward
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        dropped = []
+        monkeypatch.setattr(toeplitz, "forward", lambda call: dropped.append(call.dropout is not None) or real(call))
+        with inductor_config.patch(fallback_random=True):
+            step = torch.compile(copy.deepcopy(patched), fullgraph=True, backend=backend, dynamic=False)
+            loss, grads = _train_step(step, ids, mask, seed=3)
+        monkeypatch.undo()
+        assert dropped and all(dropped), backend  # the padded calls ran the fused kernels, with dropout
+        assert_rounding_close(loss, want[0], n=LENGTH, msg=backend)
+        for key in grads:
+            assert_rounding_close(grads[key], want[1][key], n=3 * LENGTH, msg=f"{backend} {key}")
     torch._dynamo.reset()
 
 

@@ -7,9 +7,9 @@ rule; relbias takes that as a (B, 1, 1, Lk) bool mask plus ``is_causal``, which 
 without a (Lq, Lk) tensor. Anything else is passed on whole, as an exact mask.
 
 Deciding which form a mask has reads its values, so under ``torch.compile`` the conversion passes the mask on whole
-instead: still exact, as transformers' masks of causal attention contain the causal rule. Compiled inference calls
-of the patches convert it when the graph runs instead (:mod:`relbias.integrations.compiled_masks`); the whole mask
-serves compiled training steps and a static cache's compiled decoding steps.
+instead: still exact, as transformers' masks of causal attention contain the causal rule. Compiled calls of the
+patches convert it when the graph runs instead (:mod:`relbias.integrations.compiled_masks`); the whole mask serves a
+static cache's compiled decoding steps.
 """
 
 from __future__ import annotations
