@@ -33,7 +33,7 @@ from ..dispatch import resolve_backend
 from ..positions import resolve_alignment
 from .masks import dense_key_bias, hf_visible, offsets_count_positions, relbias_mask_from_hf
 
-__all__ = ["compiled_hf_attention", "hf_masked_attention"]
+__all__ = ["compiled_hf_attention", "hf_masked_attention", "hf_masked_attention_backward"]
 
 
 @torch.library.custom_op("relbias::hf_masked_attention", mutates_args=())
