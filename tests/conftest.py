@@ -1,4 +1,5 @@
-"""Shared test fixtures: a seed per test, one torch thread, small backend tiles on request; torch's trace logger
+"""Shared test fixtures: a seed per test, one torch thread, small backend tiles and fresh dynamo caches on request;
+torch's trace logger
 silenced; inductor's cache kept apart per ATEN_CPU_CAPABILITY."""
 
 import logging
@@ -53,6 +54,15 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """torch.compile's caches emptied before and after the test (``pytestmark = pytest.mark.usefixtures(
+    "fresh_dynamo")`` in a module of compiled tests), so that no compiled graph or recompile limit carries over."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 @pytest.fixture

@@ -14,11 +14,7 @@ from ._tolerance import assert_rounding_close
 PATHS = [("reference", 12), ("blockwise", 12), ("decode", 3)]  # (backend, query length)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 @pytest.mark.parametrize("backend, lq", PATHS)

@@ -9,11 +9,7 @@ import torch
 import relbias
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_compiled_forward_and_backward_equal_eager_without_graph_breaks(is_causal=True):

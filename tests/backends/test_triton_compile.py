@@ -20,11 +20,7 @@ from relbias.backends.triton._function import triton_backward, triton_forward  #
 H, D = 2, 8
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _settings(lo=None, hi=None, delta=0, dropout_p=0.0, max_len=0):
