@@ -52,7 +52,7 @@ def _explain_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
 
 def check_broadcast(name: str, t: torch.Tensor, target: tuple[int, ...], legend: str) -> None:
     """Raise unless ``t`` broadcasts to ``target`` (every dim 1 or equal, right-aligned, rank <= len)."""
-    if t.dim() > len(target) or any(s not in (1, n) for s, n in zip(reversed(t.shape), reversed(target))):
+    if t.dim() > len(target) or any(s != 1 and s != n for s, n in zip(reversed(t.shape), reversed(target))):
         raise ValueError(
             f"{name} of shape {tuple(t.shape)} does not broadcast to {legend} = {target}; "
             f"each dimension must be 1 or equal to the target"
@@ -95,7 +95,7 @@ def check_bias(bias: object, query: torch.Tensor, target: tuple[int, ...]) -> li
     if bias is None:
         return None
     if isinstance(bias, RelativeBias):
-        if bias.num_heads not in (1, target[1]):
+        if bias.num_heads != 1 and bias.num_heads != target[1]:  # not `in`: a compiled graph's sizes are symbols
             raise ValueError(
                 f"the bias module has num_heads={bias.num_heads}, but query has {target[1]} heads "
                 f"(a bias must have 1 head, shared, or one per head; query's layout is "

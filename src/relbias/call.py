@@ -334,8 +334,9 @@ def _band_mask(mask: torch.Tensor | None, alignment: Alignment, band: tuple, dev
 
 def _dropout(dropout_p: object, generator: object, device: torch.device | None = None) -> Dropout | None:
     """Validate ``dropout_p`` / ``generator`` and draw the call's 31-bit mask seed (None when p is 0): an int read on
-    the host, or under ``torch.compile`` a 0-dim int64 tensor on ``device`` (the generator's when one is given; CPU
-    by default), drawn in the graph, whose value the kernels read where they run (an int would end the graph)."""
+    the host, or under ``torch.compile`` a 0-dim int64 tensor on ``device`` (the generator's when one is given, which
+    dynamo does not trace: the graph ends there; CPU by default), drawn in the graph, whose value the kernels read
+    where they run (an int would end the graph)."""
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):

@@ -104,9 +104,10 @@ def attention(
             decode, structured and flex refuse it. Applied whatever the module's training mode: pass 0 for
             evaluation.
         generator: the torch.Generator from which the call's mask seed is drawn (default: torch's global RNG,
-            so ``torch.manual_seed`` reproduces the mask). Under ``torch.compile`` the seed is drawn in the graph
-            (on the query's device, or the generator's), so dropout ends no graph; with the compiler's own random
-            numbers (inductor's) the masks differ from eager's.
+            so ``torch.manual_seed`` reproduces the mask). Under ``torch.compile`` the seed is drawn from the global
+            generator in the graph (on the query's device), so dropout ends no graph; with the compiler's own random
+            numbers (inductor's) the masks differ from eager's. A generator object is not traced: it ends the graph
+            where the seed is drawn (``fullgraph=True`` refuses it).
         attn_mask: SDPA's name for ``mask``, with the same meaning as in
             ``torch.nn.functional.scaled_dot_product_attention`` and here: bool True = may attend, float
             additive. (``torch.nn.MultiheadAttention``'s bool ``attn_mask``, and so

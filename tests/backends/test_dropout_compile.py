@@ -82,3 +82,18 @@ def test_each_compiled_call_draws_a_new_seed():
         torch.manual_seed(1)
         again = f(q, k, v)
     assert not torch.equal(first, second) and torch.equal(first, again)
+
+
+def test_a_compiled_call_with_symbolic_shapes_equals_eager():
+    """dynamic=True: the lengths and the head count are symbols in the graph (the bias's num_heads is compared with
+    one), and the seed drawn in it; two lengths, one graph each way, equal to eager from the same global seed."""
+    bias = relbias.T5Bias(3, bidirectional=False)
+    f = lambda q, k, v: relbias.attention(q, k, v, bias=bias, is_causal=True, dropout_p=0.3)  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for length in (5, 9):
+        q, k, v = (torch.randn(2, 3, length, D) for _ in range(3))
+        with torch.no_grad():
+            torch.manual_seed(3)
+            want = f(q, k, v)
+            torch.manual_seed(3)
+            assert_rounding_close(compiled(q, k, v), want, n=length)
