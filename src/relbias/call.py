@@ -86,6 +86,15 @@ class AttentionCall:
                              convention=convention, scale=scale, alignment=alignment, return_lse=return_lse,
                              dropout=dropout, window=window, _cache={})
 
+    def replaced(self, **changes) -> AttentionCall:
+        """A new call with ``changes`` to this one's fields (``query`` ... ``window``, as ``__init__`` takes them);
+        of the derived values only the bias's state stamp carries over (the bias is the same module)."""
+        fields = {name: getattr(self, name) for name in _FIELDS}
+        fields.update(changes)
+        call = AttentionCall(**fields)
+        call._cache["bias_stamp"] = self._cache.get("bias_stamp")
+        return call
+
     @property
     def bias_scale(self) -> float:
         """The factor the convention applies to the bias: ``scale`` for "seed", else 1."""
@@ -310,6 +319,11 @@ def make_call(
                          window)
     call._cache["bias_stamp"] = stamp  # taken by the parameter check: the native form's memo reuses it
     return call
+
+
+#: The fields ``AttentionCall.__init__`` takes, in its order.
+_FIELDS = ("query", "key", "value", "bias", "mask", "is_causal", "convention", "scale", "alignment", "return_lse",
+           "dropout", "window")
 
 
 def _band_mask(mask: torch.Tensor | None, alignment: Alignment, band: tuple, device: torch.device) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch._C import DispatchKey
 
 from ..biases.function import FunctionBias
-from ..call import AttentionCall, make_call
+from ..call import _dropout, make_call
 from ..dispatch import resolve_backend
 from ..positions import resolve_alignment
 from .masks import dense_key_bias, hf_visible, offsets_count_positions, relbias_mask_from_hf
@@ -155,18 +155,9 @@ def _run(query, key, value, hf_mask, offset_values, key_bias, query_start, is_ca
         call.update(bias=bias, mask=mask, is_causal=causal, convention=convention)
     run = make_call(query, key, value, **call)
     if run.dropout is not None:  # the seed drawn in the graph (as an eager call draws its own): the backward's too
-        run = _seeded(run, int(seed))
+        run = run.replaced(dropout=dataclasses.replace(run.dropout, seed=int(seed)))
     chosen, _ = resolve_backend(backend, run)
     return chosen.forward(run)[0].contiguous()
-
-
-def _seeded(call: AttentionCall, seed: int) -> AttentionCall:
-    """``call`` with its dropout mask drawn from ``seed``."""
-    seeded = AttentionCall(call.query, call.key, call.value, call.bias, call.mask, call.is_causal, call.convention,
-                           call.scale, call.alignment, call.return_lse, dataclasses.replace(call.dropout, seed=seed),
-                           call.window)
-    seeded._cache["bias_stamp"] = call._cache.get("bias_stamp")
-    return seeded
 
 
 def _lookup(offset_values: torch.Tensor, low: int, offsets: torch.Tensor) -> torch.Tensor:
@@ -218,8 +209,9 @@ def compiled_hf_attention(query: torch.Tensor, key: torch.Tensor, value: torch.T
     alignment = resolve_alignment(query.shape[2], key.shape[2], query_start=query_start)
     values = bias.offset_values(alignment.offset_vector(query.device))
     per_key = None if key_bias is None else key_bias(hf_visible(hf_mask)[:, 0, -1, :])  # the last query's keys
-    # as relbias.attention draws it under compile: the global generator's next number (no draw without dropout)
-    seed = torch.randint(0, 2**31 - 1, (), device="cpu") if dropout_p else torch.zeros((), dtype=torch.int64)
+    # drawn as relbias.attention draws it under compile (the global generator's next number; none without dropout)
+    dropout = _dropout(dropout_p, None, torch.device("cpu"))
+    seed = torch.zeros((), dtype=torch.int64) if dropout is None else dropout.seed
     return hf_masked_attention(query, key, value, hf_mask, values, per_key, query_start, is_causal,
                                bias.bidirectional, scale, convention, backend or "auto", enable_gqa, float(dropout_p),
                                seed)

@@ -32,10 +32,6 @@ def narrow_to_window(call: AttentionCall) -> AttentionCall:
     dropout = call.dropout
     if dropout is not None:  # the same bits at the same absolute positions
         dropout = dataclasses.replace(dropout, key_start=dropout.key_start + begin)
-    narrowed = AttentionCall(
-        call.query, call.key[:, :, begin:end], call.value[:, :, begin:end], call.bias, mask, call.is_causal,
-        call.convention, call.scale, Alignment(a.query_len, end - begin, a.query_start, a.key_start + begin),
-        call.return_lse, dropout, call.window,
-    )
-    narrowed._cache["bias_stamp"] = call._cache.get("bias_stamp")
-    return narrowed
+    return call.replaced(key=call.key[:, :, begin:end], value=call.value[:, :, begin:end], mask=mask,
+                         alignment=Alignment(a.query_len, end - begin, a.query_start, a.key_start + begin),
+                         dropout=dropout)
