@@ -105,8 +105,10 @@ def test_the_native_forward_confines_a_hidden_nan_value_across_tiles(tiles, wind
     reached = torch.zeros(2, H, lq, dtype=torch.bool)
     reached[0, 1] = sees
     assert bool(torch.isnan(out[reached]).all())
-    # the same tiles and the same order of operations on every other row: bit-equal
-    assert torch.equal(out[~reached], clean_out[~reached]) and torch.equal(lse, clean_lse)
+    # every other row: the clean call's output (the rows of a tile with the NaN ran one GEMM each, a different BLAS
+    # path: up to rounding) and its lse (no value enters it: bit-equal)
+    assert_rounding_close(out[~reached], clean_out[~reached], n=lk)
+    assert torch.equal(lse, clean_lse)
 
 
 def test_without_the_native_kernel_decode_refuses_a_hidden_nan(monkeypatch):

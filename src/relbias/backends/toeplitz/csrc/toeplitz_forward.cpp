@@ -11,7 +11,7 @@
 //   toeplitz_common.h):
 //     S = scale q k^T                                              (GEMM)
 //     x = S + w (visible keys only),  m' = max(m, max_j x),  P = exp(x - m'),  a = exp(m - m')   (one fused pass)
-//     l = a l + sum_j P,  O = a O + P v                             (row scaling, GEMM)
+//     l = a l + sum_j P,  O = a O + P v                             (row scaling, GEMM; the first tile: O = P v)
 //   out = O / l,  lse = m + log l
 //
 // Keys beyond a row's diagonal (causal) or outside its window get P = 0 exactly without being exponentiated, and their
@@ -76,12 +76,22 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
     part = (x > part) | (x != x) ? x : part;
   }
   T mx = neg_inf;
+  if (j > 0) {  // the lanes hold something (a short row, a decoding chunk's, skips them); halved as exp_sum's
+    T lanes[kLanes];
+    std::memcpy(lanes, &part, sizeof(Vec));
+    for (int width = kLanes / 2; width > 0; width /= 2) {
+      for (int l = 0; l < width; ++l) {
+        const T x = lanes[l + width];
+        lanes[l] = x > lanes[l] || x != x ? x : lanes[l];
+      }
+    }
+    mx = lanes[0];
+  }
   for (; j < n; ++j) {
     const T x = srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]);
     srow[j] = x;
     mx = x > mx || x != x ? x : mx;
   }
-  for (int l = 0; l < kLanes; ++l) mx = part[l] > mx || part[l] != part[l] ? part[l] : mx;
   return mx;
 }
 
@@ -110,7 +120,13 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
     }
   }
   T sum = 0;
-  for (int l = 0; l < kLanes; ++l) sum += part[l];
+  if (j > 0) {  // the lanes hold something: halved until one is left, lane l + width into lane l (a fixed order,
+    // log2(kLanes) levels against as many additions in a chain)
+    for (int width = kLanes / 2; width > 0; width /= 2) {
+      for (int l = 0; l < width; ++l) part[l] += part[l + width];
+    }
+    sum = part[0];
+  }
   for (; j < n; ++j) {
     const T p = exp_term(srow[j], m, floor);
     srow[j] = p;
@@ -120,7 +136,7 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
 }
 
 // Whether rows [r0, r1) of a value block (rows ld apart, Dv entries each) hold no NaN/inf: an exponent of all ones,
-// read as bits (an integer OR reduction, which vectorises without -ffast-math).
+// read as bits (an integer OR reduction, which vectorises without -ffast-math), the lanes reduced once at the end.
 template <typename T>
 bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
   using Bits = typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type;
@@ -129,25 +145,24 @@ bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
   typedef decltype(Vec{} == Vec{}) Mask;  // the signed lanes of a vector comparison
   const Bits exponent = sizeof(T) == 4 ? Bits(0x7F800000u) : Bits(0x7FF0000000000000ull);
   const Vec exponents = Vec{} + exponent;
+  Mask bad = {};
+  bool any = false;
   for (int64_t r = r0; r < r1; ++r) {
     const T* row = v + r * ld;
-    Mask bad = {};
     int64_t d = 0;
     for (; d + kLanes <= Dv; d += kLanes) {
       Vec x;
       std::memcpy(&x, row + d, sizeof(Vec));
       bad |= (x & exponents) == exponents;
     }
-    bool any = false;
-    for (int l = 0; l < kLanes; ++l) any |= bad[l] != 0;
     for (; d < Dv; ++d) {
       Bits x;
       std::memcpy(&x, row + d, sizeof(T));
       any |= (x & exponent) == exponent;
     }
-    if (any) return false;
   }
-  return true;
+  for (int l = 0; l < kLanes; ++l) any |= bad[l] != 0;
+  return !any;
 }
 
 // O += P v for a key tile of bk keys from key k0 (P: the tile's rows, tile_k apart, 0 at the keys a row cannot
@@ -158,7 +173,7 @@ bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
 // O(bk Dv) values against the GEMM's O(bq bk Dv) work, and none at all in a tile every row sees whole.
 template <typename T>
 void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const T* P,
-                int64_t tile_k, const T* vt, int64_t v_ld, int64_t Dv, T* ob, bool blas) {
+                int64_t tile_k, const T* vt, int64_t v_ld, int64_t Dv, T beta, T* ob, bool blas) {
   const int64_t bq = i1 - i0;
   int64_t first_beg, first_end, last_beg, last_end;
   band.row(i0, Lk, k0, bk, first_beg, first_end);
@@ -167,13 +182,13 @@ void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0
                                             : rows_finite(vt, v_ld, 0, last_beg, Dv) &&
                                                   rows_finite(vt, v_ld, first_end, bk, Dv);
   if (finite) {
-    gemm<T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, T(1), ob, Dv, blas);
+    gemm<T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, beta, ob, Dv, blas);
     return;
   }
   for (int64_t a = 0; a < bq; ++a) {
     int64_t jbeg, jend;
     band.row(i0 + a, Lk, k0, bk, jbeg, jend);
-    gemm<T>(false, false, 1, Dv, jend - jbeg, T(1), P + a * tile_k + jbeg, tile_k, vt + jbeg * v_ld, v_ld, T(1),
+    gemm<T>(false, false, 1, Dv, jend - jbeg, T(1), P + a * tile_k + jbeg, tile_k, vt + jbeg * v_ld, v_ld, beta,
             ob + a * Dv, Dv, blas);
   }
 }
@@ -222,7 +237,6 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const T* pad = pad_rows(bh);  // nullptr without a key padding mask
       T* ob = o_p + (bh * Lq + i0) * Dv;  // the tile's output rows: O, unnormalised until the end
       T* lb = lse_p + bh * Lq + i0;
-      std::fill(ob, ob + bq * Dv, T(0));
       std::fill(row_m, row_m + bq, neg_inf);
       std::fill(row_l, row_l + bq, T(0));
       int64_t kbeg = band.begin(i0, Lk), kend = band.end(i1 - 1, Lk);  // the keys some row of the tile sees
@@ -232,6 +246,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         kend = std::min(kend, range.last);
         if (!range.interior) pad = nullptr;
       }
+      bool fresh = true;  // O holds nothing yet: the first P v product writes it (beta 0), unscaled
       for (int64_t k0 = kbeg; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
         if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
@@ -255,18 +270,20 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const T sum = exp_sum(seen, m_new, n);
           std::fill(srow, seen, T(0));
           std::fill(srow + jend, srow + bk, T(0));
-          const T alpha = std::exp(m_old - m_new);  // 0 while m_old is -inf (O and l are still 0)
+          // 0 while m_old is -inf (O and l are still 0; std::exp's own value, without the call)
+          const T alpha = m_old == neg_inf ? T(0) : std::exp(m_old - m_new);
           row_l[a] = alpha * row_l[a] + sum;
           row_m[a] = m_new;
           if (dropout.on) {
             apply_dropout(seen, n, dropout.row(bh, i), dropout.key_base(k0 + jbeg), dropout.threshold, keep_scale);
           }
-          if (alpha != T(1)) {
+          if (!fresh && alpha != T(1)) {
             T* __restrict__ orow = ob + a * Dv;
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        pv_product(band, i0, i1, Lk, k0, bk, S, tile_k, vb + k0 * v_ld, v_ld, Dv, ob, blas);
+        pv_product(band, i0, i1, Lk, k0, bk, S, tile_k, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), ob, blas);
+        fresh = false;
       }
       for (int64_t a = 0; a < bq; ++a) {
         T* __restrict__ orow = ob + a * Dv;
@@ -276,7 +293,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           lb[a] = neg_inf;
           continue;
         }
-        for (int64_t d = 0; d < Dv; ++d) orow[d] /= l;
+        const T inv = T(1) / l;  // one division per row: a vector division per element cost as much as a GEMM
+        for (int64_t d = 0; d < Dv; ++d) orow[d] *= inv;
         lb[a] = row_m[a] + std::log(l);
       }
     }
