@@ -178,12 +178,14 @@ def test_static_cache_tokens_identical(name):
         assert torch.equal(model.generate(**settings, cache_implementation="static"), want)
 
 
-def test_compiled_static_cache_generation(name="bloom"):
+@pytest.mark.parametrize("name", ["bloom", "falcon", "falcon-new"])
+def test_compiled_static_cache_generation(name):
     """generate(cache_implementation="static", compile_config=CompileConfig(fullgraph=True)) on a left-padded batch
-    (BLOOM: transformers gives MPT no static cache, and Falcon fails with one unpatched in 5.24 and 5.25):
-    the decoding step compiles whole once (the static cache's tensor positions reach the patch as tensors, and
-    nothing branches on the mask's values), a second prompt of the same shape recompiles nothing, and the tokens
-    are unpatched eager transformers'."""
+    (transformers gives MPT no static cache and compiles none of its steps; patched Falcon runs a static cache that
+    unpatched Falcon fails with in 5.24 and 5.25, so the tokens are compared with the dynamic cache's): the decoding
+    step compiles whole once (the static cache's tensor positions reach the patch as tensors, and nothing branches
+    on the mask's values), a second prompt of the same shape recompiles nothing, and the tokens are unpatched eager
+    transformers'."""
     model = _model(name)
     ids, mask = _batch("left")
     other = torch.randint(1, VOCAB, ids.shape, generator=torch.Generator().manual_seed(7))
