@@ -41,14 +41,15 @@ __all__ = ["MAX_SIGNATURES", "forget", "recall", "remember", "signature"]
 #: Signatures kept; the oldest is dropped first.
 MAX_SIGNATURES = 64
 
-#: signature -> (bias weakref or None, registry generation, backend, the call's other fields, bias stamp, whether it
-#: hides keys, derived values)
+#: signature -> (bias weakref or None, registry generation, backend, the call's fields (None where a repeat
+#: brings its own: query, key, value, bias, return_lse, _cache), bias stamp, whether it hides keys, derived values)
 _PLANS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()  # for remember's eviction; recall reads without it (one dict lookup)
 
 _Tensor = torch.Tensor
 _NUMBERS = (float, int)
 _new = object.__new__
+_set_attribute = object.__setattr__
 
 
 def signature(query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start, backend,
@@ -89,10 +90,11 @@ def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Ten
         return None
     if bias is not None and bias.state_stamp() != stamp:
         return None
-    call = _new(AttentionCall)  # the validated call's fields on these tensors, without __init__'s keyword binding
-    state = call.__dict__
-    state.update(fields)
-    state.update(query=query, key=key_, value=value, bias=bias, return_lse=return_lse, _cache=derived.copy())
+    state = fields.copy()  # the validated call's fields on these tensors, without __init__'s keyword binding
+    state["query"], state["key"], state["value"], state["bias"] = query, key_, value, bias
+    state["return_lse"], state["_cache"] = return_lse, derived.copy()
+    call = _new(AttentionCall)
+    _set_attribute(call, "__dict__", state)  # every field in one dict, sized once
     if hides and not backend.confines_non_finite(call) and not call.hidden_keys_finite:
         return None
     return backend, call
@@ -121,8 +123,7 @@ def remember(key: tuple, name: str, backend: Backend, call: AttentionCall, gener
     derived = {n: call._cache[n] for n in kept if n in call._cache}
     if not hides:
         derived["hidden_keys_finite"] = True
-    fields = {name: value for name, value in call.__dict__.items()
-              if name not in ("query", "key", "value", "bias", "return_lse", "_cache")}
+    fields = dict(call.__dict__, query=None, key=None, value=None, bias=None, return_lse=None, _cache=None)
     plan = (None if bias is None else weakref.ref(bias), generation, backend, fields,
             call._cache.get("bias_stamp") if bias is not None else None, hides, derived)
     with _LOCK:

@@ -28,10 +28,10 @@ __all__ = ["SIGNATURE_DERIVED", "STATE_DERIVED", "AttentionCall", "make_call"]
 #: keeps (inference, no mask), follow from the call's signature (shapes, dtypes, devices, options) and the bias
 #: module's state stamp alone, never from a tensor's values or strides: a repeat of the signature starts with them.
 #: A backend that caches such a value under a new name adds the name here.
-SIGNATURE_DERIVED = ("bias_stamp", "needs_grad")
+SIGNATURE_DERIVED = ("bias_stamp", "needs_grad", "decode_native_takes")
 #: Derived values that also hold the bias's values (``relbias._repeat`` keeps them for a ``state_only`` bias module
 #: only, whose values read its parameters and buffers alone; another family may read anything, every call).
-STATE_DERIVED = ("decode_reversed",)
+STATE_DERIVED = ("decode_reversed", "decode_native_arguments")
 
 
 @dataclass(frozen=True, eq=False, init=False)

@@ -149,30 +149,45 @@ def _native_forward(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor] | 
     module = _native_module(call)
     if module is None:
         return None
-    query, key, value = call.query, call.key, call.value
-    w = _reversed(call)
+    # positional: pybind11 spends about 1.3 us matching keyword arguments (a decoding step's kernel takes about 10)
+    out, lse = module.toeplitz_forward(call.query, call.key, call.value, *_native_arguments(call))
+    return out, lse
+
+
+def _native_arguments(call: AttentionCall) -> tuple:
+    """The native forward's arguments after q, k, v: the reversed bias, scale, positions, tiles, no padding or
+    dropout, the window's sides. Kept in the call's ``"decode_native_arguments"`` entry (it holds the bias values:
+    a repeat of a ``state_only`` bias's signature starts with it)."""
+    return call._cached("decode_native_arguments", lambda: _compute_native_arguments(call))
+
+
+def _compute_native_arguments(call: AttentionCall) -> tuple:
     a = call.alignment
     left, right = (-1, -1) if call.window is None else kernel_sides(call.window, a.min_offset, a.max_offset)
-    # positional: pybind11 spends about 1.3 us matching keyword arguments (a decoding step's kernel takes about 10)
-    out, lse = module.toeplitz_forward(query, key, value, w, call.scale, call.delta, call.is_causal,
-                                       _toeplitz_native.FORWARD_TILE_Q, _toeplitz_native.FORWARD_TILE_K, True,
-                                       None, 0.0, 0, 0, 0, left, right)  # no padding, no dropout; the window
-    return out, lse
+    return (_reversed(call), call.scale, call.delta, call.is_causal, _toeplitz_native.FORWARD_TILE_Q,
+            _toeplitz_native.FORWARD_TILE_K, True, None, 0.0, 0, 0, 0, left, right)
 
 
 def _native_module(call: AttentionCall):
     """The native extension when :func:`_native_forward` runs ``call`` (see there), else None; decided once per
-    call."""
+    call, the part that follows from the call's signature (``"decode_native_takes"``) once per signature of a
+    repeated call."""
+    if not call._cached("decode_native_takes", lambda: _native_takes(call)):
+        return None
     return call._cached("decode_native", lambda: _find_native(call))
 
 
-def _find_native(call: AttentionCall):
+def _native_takes(call: AttentionCall) -> bool:
+    """Whether the native kernel takes a call of this signature: no mask, an offset-only bias module, CPU float32 /
+    float64 inputs, not under torch.compile (SDPA is one graph node)."""
     bias = call.bias
-    if call.mask is not None or not isinstance(bias, RelativeBias) or not bias.offset_only:
-        return None
-    if not _toeplitz_native.read_in_place(call.query, call.key, call.value) or torch.compiler.is_compiling():
-        return None
-    return _toeplitz_native.loaded_native(call.query)
+    return (call.mask is None and isinstance(bias, RelativeBias) and bias.offset_only
+            and _toeplitz_native.takes(call.query) and not torch.compiler.is_compiling())
+
+
+def _find_native(call: AttentionCall):
+    """The extension where it is built (and not opted out of) and reads the inputs in place (strides: per call)."""
+    return _toeplitz_native.load_native() if _toeplitz_native.read_in_place(call.query, call.key, call.value) else None
 
 
 class DecodeBackend(Backend):

@@ -40,6 +40,7 @@ __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
     "window_tile",
     "native_backward", "native_forward", "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout",
+    "takes",
 ]
 
 #: The native forward's query rows and keys per tile (tokens), each capped by the call's ``block_q``
@@ -96,7 +97,7 @@ def _runs(query: torch.Tensor, what: str) -> bool:
     """Whether the native kernels take a call on ``query``'s dtype and device (CPU float32 / float64) and are built;
     a failed build warns once that ``what`` (e.g. "backward runs in Python") instead. ``RELBIAS_NATIVE=0``: no
     warning (asked for)."""
-    if not _takes(query):
+    if not takes(query):
         return False
     reason = native_unavailable_reason()
     if reason is not None and reason != _OPT_OUT:
@@ -108,13 +109,13 @@ def loaded_native(query: torch.Tensor):
     """The built extension module when the native kernels take calls on ``query``'s dtype and device (CPU float32 /
     float64), else None, without a warning (the caller has another path as fast as the fallbacks); the first call
     builds or loads it."""
-    return load_native() if _takes(query) else None
+    return load_native() if takes(query) else None
 
 
 _NATIVE_DTYPES = (torch.float32, torch.float64)
 
 
-def _takes(query: torch.Tensor) -> bool:
+def takes(query: torch.Tensor) -> bool:
     """Whether the native kernels take a call on ``query``'s dtype and device: CPU float32 / float64."""
     return query.is_cpu and query.dtype in _NATIVE_DTYPES  # is_cpu: a decoding step's check, without a device object
 
