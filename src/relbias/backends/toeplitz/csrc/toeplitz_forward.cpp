@@ -95,6 +95,57 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
   return mx;
 }
 
+// add_bias_max over a row's whole tile, srow[j] for every j < bk, with wrow and prow at the tile's first key: -inf
+// where the row cannot see the key (j outside [jbeg, jend); such a score, NaN/inf included, is not read), so that
+// exp_sum gives those keys P = 0 without a fill. For a row that hides fewer keys than a vector holds (a decoding
+// chunk's causal tile, the last keys of a causal row): full vectors instead of a scalar tail.
+template <bool Padded, typename T>
+T add_bias_max_whole(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t jbeg,
+                     int64_t jend, int64_t bk) {
+  constexpr int kLanes = kVectorBytes / sizeof(T);
+  using Int = typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type;
+  typedef T Vec __attribute__((vector_size(kVectorBytes)));
+  typedef Int IVec __attribute__((vector_size(kVectorBytes)));
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  const Vec hidden = Vec{} + neg_inf;
+  IVec lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  Vec part = hidden;
+  int64_t j = 0;
+  for (; j + kLanes <= bk; j += kLanes) {
+    Vec x, b;
+    std::memcpy(&x, srow + j, sizeof(Vec));
+    std::memcpy(&b, wrow + j, sizeof(Vec));
+    if constexpr (Padded) {
+      Vec c;
+      std::memcpy(&c, prow + j, sizeof(Vec));
+      b += c;
+    }
+    const IVec key = lane + static_cast<Int>(j);
+    x = (key >= static_cast<Int>(jbeg)) & (key < static_cast<Int>(jend)) ? x + b : hidden;
+    std::memcpy(srow + j, &x, sizeof(Vec));
+    part = (x > part) | (x != x) ? x : part;
+  }
+  T mx = neg_inf;
+  if (j > 0) {  // halved as add_bias_max's
+    T lanes[kLanes];
+    std::memcpy(lanes, &part, sizeof(Vec));
+    for (int width = kLanes / 2; width > 0; width /= 2) {
+      for (int l = 0; l < width; ++l) {
+        const T x = lanes[l + width];
+        lanes[l] = x > lanes[l] || x != x ? x : lanes[l];
+      }
+    }
+    mx = lanes[0];
+  }
+  for (; j < bk; ++j) {
+    const T x = j >= jbeg && j < jend ? srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]) : neg_inf;
+    srow[j] = x;
+    mx = x > mx || x != x ? x : mx;
+  }
+  return mx;
+}
+
 // exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises).
 template <typename T>
 inline T exp_term(T s, T m, T floor) {
@@ -207,6 +258,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const T scale = static_cast<T>(scale_d);
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const T keep_scale = static_cast<T>(dropout.keep_scale);
+  constexpr int64_t kWholeSlack = 64 / sizeof(T);  // hidden keys a row may run through (exp_sum's lanes)
 
   const Rows<T> q_rows(q), k_rows(k), v_rows(v);
   const KeyPadding<T> pad_rows(kpad, H);
@@ -258,18 +310,29 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           band.row(i, Lk, k0, bk, jbeg, jend);
           const int64_t n = jend - jbeg;
           T* __restrict__ seen = srow + jbeg;
-          const T* __restrict__ wrow = wr + (Lq - 1 - i + k0 + jbeg);
-          const T mx = pad == nullptr ? add_bias_max<false>(seen, wrow, static_cast<const T*>(nullptr), n)
-                                      : add_bias_max<true>(seen, wrow, pad + k0 + jbeg, n);
+          const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);  // the bias of key k0 for query i
+          const T* __restrict__ prow = pad == nullptr ? nullptr : pad + k0;
+          // a row that hides some keys, fewer than one 64-byte vector holds, runs its whole tile in vectors (hidden
+          // keys -inf), else its visible keys only (no work for the keys it cannot see)
+          const bool whole = n > 0 && n < bk && bk - n < kWholeSlack;
+          const T mx = whole ? (pad == nullptr ? add_bias_max_whole<false>(srow, wrow, prow, jbeg, jend, bk)
+                                               : add_bias_max_whole<true>(srow, wrow, prow, jbeg, jend, bk))
+                             : (pad == nullptr ? add_bias_max<false>(seen, wrow + jbeg, prow, n)
+                                               : add_bias_max<true>(seen, wrow + jbeg, prow + jbeg, n));
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (n == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
             std::fill(srow, srow + bk, T(0));
             continue;
           }
-          const T sum = exp_sum(seen, m_new, n);
-          std::fill(srow, seen, T(0));
-          std::fill(srow + jend, srow + bk, T(0));
+          T sum;
+          if (whole) {
+            sum = exp_sum(srow, m_new, bk);  // P = 0 at the hidden keys (-inf)
+          } else {
+            sum = exp_sum(seen, m_new, n);
+            std::fill(srow, seen, T(0));
+            std::fill(srow + jend, srow + bk, T(0));
+          }
           // 0 while m_old is -inf (O and l are still 0; std::exp's own value, without the call)
           const T alpha = m_old == neg_inf ? T(0) : std::exp(m_old - m_new);
           row_l[a] = alpha * row_l[a] + sum;
