@@ -10,7 +10,9 @@ Per-call latency (ms, median of ``--calls`` calls after a warm-up, the methods i
 * ``relbias``: ``relbias.attention`` with ``backend="auto"``, causal, the queries at the last positions;
 
 for Lq in ``--queries`` (default 1) and Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, float32, causal ``T5Bias``),
-inference; then tokens/s of greedy ``generate`` (``--new-tokens`` tokens; the prompt's forward included) of a
+inference. With ``--loop N``, also back-to-back: the best of 7 runs of N calls of one method in a row (us per call,
+the methods alternating between runs), where caches and the interpreter stay warm (a repeated call's floor; inside
+a model every call is colder), and relbias' time over SDPA's in us. Then tokens/s of greedy ``generate`` (``--new-tokens`` tokens; the prompt's forward included) of a
 t5-small-shaped ``T5ForConditionalGeneration`` and a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random
 weights, built from configs: no download) at 512 and 4096 input tokens: unpatched, patched, and the bound (patched,
 with the attention call returning its query: what the model costs when attention costs nothing), interleaved in one
@@ -19,7 +21,7 @@ process, the best of ``--rounds`` rounds each, with identical tokens checked. ``
 gains. Prints the load average before and after; run it on an otherwise idle machine.
 
     python benchmarks/bench_decode.py [--queries 1 16 128] [--lengths 128 512 2048 8192] [--inputs 512 4096]
-        [--models t5 bloom] [--new-tokens 32]
+        [--models t5 bloom] [--new-tokens 32] [--loop 2000]
 """
 
 from __future__ import annotations
@@ -48,6 +50,19 @@ def _median_ms(steps: dict, calls: int) -> dict:
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def _loop_us(steps: dict, calls: int, runs: int = 7) -> dict:
+    """Per-call wall time (us) of each callable in ``steps``: the best of ``runs`` runs of ``calls`` calls in a row,
+    the callables alternating between runs."""
+    best = {name: float("inf") for name in steps}
+    for _ in range(runs):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                step()
+            best[name] = min(best[name], (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
 def _hf_row(bias: relbias.T5Bias, key_len: int, query_len: int = 1):
     """The (1, H, Lq, Lk) bias rows of queries at positions Lk - Lq .. Lk - 1, computed as transformers'
     ``T5Attention.compute_bias`` does (``memory - context`` bucketed with logarithms, embedding, permute), with
@@ -64,14 +79,14 @@ def _hf_row(bias: relbias.T5Bias, key_len: int, query_len: int = 1):
     return rows if query_len == 1 else rows.masked_fill(memory > context, float("-inf"))
 
 
-def decode_steps(queries: list[int], lengths: list[int], calls: int) -> None:
+def decode_steps(queries: list[int], lengths: list[int], calls: int, loop: int = 0) -> None:
     heads, dim = 8, 64
     bias = relbias.T5Bias(heads, bidirectional=False)
     with torch.no_grad():  # the benchmark's rows are the bias relbias uses
         torch.testing.assert_close(_hf_row(bias, 300, 4), bias(4, 300, query_start=296)[None].masked_fill(
             torch.ones(4, 300, dtype=torch.bool).triu(297), float("-inf")))
     print(f"{'Lq':>4} {'Lk':>6} {'sdpa ms':>9} {'row+sdpa ms':>12} {'relbias ms':>11} {'relbias/sdpa':>13} "
-          f"{'row/relbias':>12}  backend")
+          f"{'row/relbias':>12}  backend" + (f"  {'sdpa us, loop':>13} {'relbias us, loop':>16} {'+us':>5}" if loop else ""))
     for lq in queries:
         for lk in (lk for lk in lengths if lk >= lq):
             q, k, v = torch.randn(1, heads, lq, dim), torch.randn(1, heads, lk, dim), torch.randn(1, heads, lk, dim)
@@ -83,8 +98,10 @@ def decode_steps(queries: list[int], lengths: list[int], calls: int) -> None:
                 }
                 ms = _median_ms(steps, calls)
                 name = relbias.explain_backend(q, k, v, bias=bias, is_causal=True, query_start=lk - lq)[0]
+                us = _loop_us({n: steps[n] for n in ("sdpa", "relbias")}, loop) if loop else None
+            looped = f"  {us['sdpa']:>13.1f} {us['relbias']:>16.1f} {us['relbias'] - us['sdpa']:>5.1f}" if us else ""
             print(f"{lq:>4} {lk:>6} {ms['sdpa']:>9.3f} {ms['row']:>12.3f} {ms['relbias']:>11.3f} "
-                  f"{ms['relbias'] / ms['sdpa']:>12.2f}x {ms['row'] / ms['relbias']:>11.2f}x  {name}")
+                  f"{ms['relbias'] / ms['sdpa']:>12.2f}x {ms['row'] / ms['relbias']:>11.2f}x  {name:<8}{looped}")
 
 
 def _models(family: str):
@@ -196,6 +213,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="*", default=[128, 512, 2048, 8192],
                         help="cached keys Lk (none: no per-call table)")
     parser.add_argument("--calls", type=int, default=200, help="timed calls per method (median reported)")
+    parser.add_argument("--loop", type=int, default=0, metavar="N",
+                        help="also time N calls in a row per method, best of 7 runs (default 0: not)")
     parser.add_argument("--inputs", type=int, nargs="*", default=[512, 4096], help="input tokens for generate")
     parser.add_argument("--models", nargs="+", choices=("t5", "bloom"), default=["t5", "bloom"],
                         help="model families for generate (default both)")
@@ -207,7 +226,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"bench_decode: torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()}")
     if args.lengths:
-        decode_steps(args.queries, args.lengths, args.calls)
+        decode_steps(args.queries, args.lengths, args.calls, args.loop)
     if args.inputs:
         generation(args.models, args.inputs, args.new_tokens, args.rounds)
     print(f"load average after: {os.getloadavg()}")
