@@ -51,16 +51,25 @@ using namespace relbias_toeplitz;
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
 // srow[j] += wrow[j] (Padded: + prow[j], the key padding row, 0 or -inf) for j < n; returns the largest (-inf for
-// n = 0; NaN if any is: a NaN query stays NaN). In GCC vector extensions (also Clang's) of the target's register
-// width: as a lane loop like exp_sum's, GCC kept the max scalar (unrolled vmaxss). The maximum is exact, so the
-// width does not change the result.
-template <bool Padded, typename T>
-T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n) {
+// n = 0; NaN if any is: a NaN query stays NaN). Masked: the sum only for jbeg <= j < jend, -inf at every other j
+// (keys the row cannot see: their scores, NaN/inf included, are not read), so that exp_sum gives them P = 0 without a
+// fill; the caller passes a row's whole tile (n = bk) when it hides fewer keys than a vector holds (a decoding
+// chunk's causal tile, a causal row's last keys): full vectors instead of a scalar tail. In GCC vector extensions
+// (also Clang's) of the target's register width: as a lane loop like exp_sum's, GCC kept the max scalar (unrolled
+// vmaxss). The maximum is exact, so the width does not change the result; the lanes are halved log2(kLanes) times
+// (a fixed order; skipped where the vector loop did not run).
+template <bool Padded, bool Masked, typename T>
+T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n,
+               int64_t jbeg = 0, int64_t jend = 0) {
   constexpr int kLanes = kVectorBytes / sizeof(T);
+  using Int = typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type;
   typedef T Vec __attribute__((vector_size(kVectorBytes)));
+  typedef Int IVec __attribute__((vector_size(kVectorBytes)));  // lane indices, for Masked
   const T neg_inf = -std::numeric_limits<T>::infinity();
-  Vec part;
-  for (int l = 0; l < kLanes; ++l) part[l] = neg_inf;
+  const Vec hidden = Vec{} + neg_inf;
+  IVec lane;
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  Vec part = hidden;
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     Vec x, b;
@@ -72,11 +81,15 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
       b += c;
     }
     x += b;
+    if constexpr (Masked) {
+      const IVec key = lane + static_cast<Int>(j);
+      x = (key >= static_cast<Int>(jbeg)) & (key < static_cast<Int>(jend)) ? x : hidden;
+    }
     std::memcpy(srow + j, &x, sizeof(Vec));
     part = (x > part) | (x != x) ? x : part;
   }
   T mx = neg_inf;
-  if (j > 0) {  // the lanes hold something (a short row, a decoding chunk's, skips them); halved as exp_sum's
+  if (j > 0) {
     T lanes[kLanes];
     std::memcpy(lanes, &part, sizeof(Vec));
     for (int width = kLanes / 2; width > 0; width /= 2) {
@@ -88,58 +101,8 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
     mx = lanes[0];
   }
   for (; j < n; ++j) {
-    const T x = srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]);
-    srow[j] = x;
-    mx = x > mx || x != x ? x : mx;
-  }
-  return mx;
-}
-
-// add_bias_max over a row's whole tile, srow[j] for every j < bk, with wrow and prow at the tile's first key: -inf
-// where the row cannot see the key (j outside [jbeg, jend); such a score, NaN/inf included, is not read), so that
-// exp_sum gives those keys P = 0 without a fill. For a row that hides fewer keys than a vector holds (a decoding
-// chunk's causal tile, the last keys of a causal row): full vectors instead of a scalar tail.
-template <bool Padded, typename T>
-T add_bias_max_whole(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t jbeg,
-                     int64_t jend, int64_t bk) {
-  constexpr int kLanes = kVectorBytes / sizeof(T);
-  using Int = typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type;
-  typedef T Vec __attribute__((vector_size(kVectorBytes)));
-  typedef Int IVec __attribute__((vector_size(kVectorBytes)));
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  const Vec hidden = Vec{} + neg_inf;
-  IVec lane;
-  for (int l = 0; l < kLanes; ++l) lane[l] = l;
-  Vec part = hidden;
-  int64_t j = 0;
-  for (; j + kLanes <= bk; j += kLanes) {
-    Vec x, b;
-    std::memcpy(&x, srow + j, sizeof(Vec));
-    std::memcpy(&b, wrow + j, sizeof(Vec));
-    if constexpr (Padded) {
-      Vec c;
-      std::memcpy(&c, prow + j, sizeof(Vec));
-      b += c;
-    }
-    const IVec key = lane + static_cast<Int>(j);
-    x = (key >= static_cast<Int>(jbeg)) & (key < static_cast<Int>(jend)) ? x + b : hidden;
-    std::memcpy(srow + j, &x, sizeof(Vec));
-    part = (x > part) | (x != x) ? x : part;
-  }
-  T mx = neg_inf;
-  if (j > 0) {  // halved as add_bias_max's
-    T lanes[kLanes];
-    std::memcpy(lanes, &part, sizeof(Vec));
-    for (int width = kLanes / 2; width > 0; width /= 2) {
-      for (int l = 0; l < width; ++l) {
-        const T x = lanes[l + width];
-        lanes[l] = x > lanes[l] || x != x ? x : lanes[l];
-      }
-    }
-    mx = lanes[0];
-  }
-  for (; j < bk; ++j) {
-    const T x = j >= jbeg && j < jend ? srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]) : neg_inf;
+    T x = srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]);
+    if constexpr (Masked) x = j >= jbeg && j < jend ? x : neg_inf;
     srow[j] = x;
     mx = x > mx || x != x ? x : mx;
   }
@@ -315,10 +278,10 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           // a row that hides some keys, fewer than one 64-byte vector holds, runs its whole tile in vectors (hidden
           // keys -inf), else its visible keys only (no work for the keys it cannot see)
           const bool whole = n > 0 && n < bk && bk - n < kWholeSlack;
-          const T mx = whole ? (pad == nullptr ? add_bias_max_whole<false>(srow, wrow, prow, jbeg, jend, bk)
-                                               : add_bias_max_whole<true>(srow, wrow, prow, jbeg, jend, bk))
-                             : (pad == nullptr ? add_bias_max<false>(seen, wrow + jbeg, prow, n)
-                                               : add_bias_max<true>(seen, wrow + jbeg, prow + jbeg, n));
+          const T mx = whole ? (pad == nullptr ? add_bias_max<false, true>(srow, wrow, prow, bk, jbeg, jend)
+                                               : add_bias_max<true, true>(srow, wrow, prow, bk, jbeg, jend))
+                             : (pad == nullptr ? add_bias_max<false, false>(seen, wrow + jbeg, prow, n)
+                                               : add_bias_max<true, false>(seen, wrow + jbeg, prow + jbeg, n));
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (n == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
