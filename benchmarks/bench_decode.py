@@ -12,13 +12,14 @@ Per-call latency (ms, median of ``--calls`` calls after a warm-up, the methods i
 for Lq in ``--queries`` (default 1) and Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, float32, causal ``T5Bias``),
 inference. With ``--loop N``, also back-to-back: the best of 7 runs of N calls of one method in a row (us per call,
 the methods alternating between runs), where caches and the interpreter stay warm (a repeated call's floor; inside
-a model every call is colder), and relbias' time over SDPA's in us. Then tokens/s of greedy ``generate`` (``--new-tokens`` tokens; the prompt's forward included) of a
-t5-small-shaped ``T5ForConditionalGeneration`` and a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random
-weights, built from configs: no download) at 512 and 4096 input tokens: unpatched, patched, and the bound (patched,
-with the attention call returning its query: what the model costs when attention costs nothing), interleaved in one
-process, the best of ``--rounds`` rounds each, with identical tokens checked. ``share of bound`` is
-``(unpatched/patched - 1) / (unpatched/bound - 1)``: the part of the most any attention could gain that the patch
-gains. Prints the load average before and after; run it on an otherwise idle machine.
+a model every call is colder), and relbias' time over SDPA's in us. Then tokens/s of greedy ``generate``
+(``--new-tokens`` tokens; the prompt's forward included) of a t5-small-shaped ``T5ForConditionalGeneration`` and
+a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random weights, built from configs: no download) at 512 and
+4096 input tokens: unpatched, patched, and the bound (patched, with the attention call returning its query: what the
+model costs when attention costs nothing), interleaved in one process, the best of ``--rounds`` rounds each, with
+identical tokens checked. ``share of bound`` is ``(unpatched/patched - 1) / (unpatched/bound - 1)``: the part of the
+most any attention could gain that the patch gains. Prints the load average before and after; run it on an otherwise
+idle machine.
 
     python benchmarks/bench_decode.py [--queries 1 16 128] [--lengths 128 512 2048 8192] [--inputs 512 4096]
         [--models t5 bloom] [--new-tokens 32] [--loop 2000]
@@ -85,8 +86,9 @@ def decode_steps(queries: list[int], lengths: list[int], calls: int, loop: int =
     with torch.no_grad():  # the benchmark's rows are the bias relbias uses
         torch.testing.assert_close(_hf_row(bias, 300, 4), bias(4, 300, query_start=296)[None].masked_fill(
             torch.ones(4, 300, dtype=torch.bool).triu(297), float("-inf")))
+    looped = f"  {'sdpa us, loop':>13} {'relbias us, loop':>16} {'+us':>5}" if loop else ""
     print(f"{'Lq':>4} {'Lk':>6} {'sdpa ms':>9} {'row+sdpa ms':>12} {'relbias ms':>11} {'relbias/sdpa':>13} "
-          f"{'row/relbias':>12}  backend" + (f"  {'sdpa us, loop':>13} {'relbias us, loop':>16} {'+us':>5}" if loop else ""))
+          f"{'row/relbias':>12}  {'backend':<8}{looped}".rstrip())
     for lq in queries:
         for lk in (lk for lk in lengths if lk >= lq):
             q, k, v = torch.randn(1, heads, lq, dim), torch.randn(1, heads, lk, dim), torch.randn(1, heads, lk, dim)
@@ -100,8 +102,9 @@ def decode_steps(queries: list[int], lengths: list[int], calls: int, loop: int =
                 name = relbias.explain_backend(q, k, v, bias=bias, is_causal=True, query_start=lk - lq)[0]
                 us = _loop_us({n: steps[n] for n in ("sdpa", "relbias")}, loop) if loop else None
             looped = f"  {us['sdpa']:>13.1f} {us['relbias']:>16.1f} {us['relbias'] - us['sdpa']:>5.1f}" if us else ""
-            print(f"{lq:>4} {lk:>6} {ms['sdpa']:>9.3f} {ms['row']:>12.3f} {ms['relbias']:>11.3f} "
-                  f"{ms['relbias'] / ms['sdpa']:>12.2f}x {ms['row'] / ms['relbias']:>11.2f}x  {name:<8}{looped}")
+            row = (f"{lq:>4} {lk:>6} {ms['sdpa']:>9.3f} {ms['row']:>12.3f} {ms['relbias']:>11.3f} "
+                   f"{ms['relbias'] / ms['sdpa']:>12.2f}x {ms['row'] / ms['relbias']:>11.2f}x  {name:<8}{looped}")
+            print(row.rstrip())
 
 
 def _models(family: str):
