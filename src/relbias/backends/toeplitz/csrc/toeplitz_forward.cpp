@@ -51,13 +51,13 @@ using namespace relbias_toeplitz;
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
 // srow[j] += wrow[j] (Padded: + prow[j], the key padding row, 0 or -inf) for j < n; returns the largest (-inf for
-// n = 0; NaN if any is: a NaN query stays NaN). Masked: the sum only for jbeg <= j < jend, -inf at every other j
-// (keys the row cannot see: their scores, NaN/inf included, are not read), so that exp_sum gives them P = 0 without a
-// fill; the caller passes a row's whole tile (n = bk) when it hides fewer keys than a vector holds (a decoding
-// chunk's causal tile, a causal row's last keys): full vectors instead of a scalar tail. In GCC vector extensions
-// (also Clang's) of the target's register width: as a lane loop like exp_sum's, GCC kept the max scalar (unrolled
-// vmaxss). The maximum is exact, so the width does not change the result; the lanes are halved log2(kLanes) times
-// (a fixed order; skipped where the vector loop did not run).
+// n = 0; NaN if any is: a NaN query stays NaN). Masked: the sum only for jbeg <= j < jend, -inf at every other j (keys
+// the row cannot see: their scores, NaN/inf included, are replaced before the maximum), so that exp_sum gives them
+// P = 0 without a fill; the caller passes a row's whole tile (n = bk) when it hides fewer keys than a vector holds (a
+// decoding chunk's causal tile, a causal row's last keys): full vectors instead of a scalar tail. In GCC vector
+// extensions (also Clang's) of the target's register width: as a lane loop like exp_sum's, GCC kept the max scalar
+// (unrolled vmaxss). The maximum is exact, so the width does not change the result; the lanes are halved log2(kLanes)
+// times (a fixed order; skipped where the vector loop did not run).
 template <bool Padded, bool Masked, typename T>
 T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n,
                int64_t jbeg = 0, int64_t jend = 0) {
