@@ -124,6 +124,38 @@ def test_a_signature_first_seen_with_nan_in_hidden_keys_is_not_kept(monkeypatch)
     assert not _repeat._PLANS  # a later finite call chooses afresh (the decode kernel)
 
 
+def _ran_cpu_flash(run) -> bool:
+    """Whether ``run()`` ran PyTorch's CPU flash-attention kernel (the decode backend's path without relbias' native
+    kernel), by torch's profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        run()
+    return any("scaled_dot_product" in event.key for event in profile.key_averages())
+
+
+@pytest.mark.parametrize("change", ["native off", "keys broadcast along the length"])
+def test_a_repeat_the_native_kernel_cannot_run_takes_the_forward(monkeypatch, change):
+    """A decoding signature kept while relbias' native kernel ran it: a repeat with the native kernels switched off,
+    or with keys the kernel would not read in place, runs the decode backend's flash path and gives its result."""
+    from relbias.backends.toeplitz import _native
+
+    if _native.load_native() is None:
+        pytest.skip("the native kernels are not built here")
+    q, k, v = _qkv(lq=4)
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False)
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, is_causal=True)
+        assert len(_repeat._PLANS) == 1
+        assert not _ran_cpu_flash(lambda: relbias.attention(q, k, v, bias=bias, is_causal=True))
+        if change == "native off":
+            monkeypatch.setenv("RELBIAS_NATIVE", "0")
+        else:
+            k = k[:, :, :1].expand_as(k)  # rows 0 apart: the kernel would copy them
+        out = []
+        assert _ran_cpu_flash(lambda: out.append(relbias.attention(q, k, v, bias=bias, is_causal=True)))
+        expected = _reference(q, k, v, bias=bias, is_causal=True)
+    torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bad, error", [
     (dict(is_causal=1), TypeError), (dict(return_lse=1), TypeError), (dict(scale=True), ValueError),
     (dict(dropout_p=False), ValueError), (dict(query_start=True), TypeError), (dict(key_start=False), TypeError),

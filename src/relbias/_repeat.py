@@ -13,7 +13,9 @@ from that signature, except what reads values, which every repeat reads again:
   unless the backend confines them itself (:meth:`~relbias.backends.base.Backend.confines_non_finite`, as the native
   decode kernel does); a non-finite one sends the call down the full path, which chooses a backend that confines it.
 
-A repeat then costs a dictionary lookup, the stamp and the backend's forward. Kept are inference calls (grad mode
+A repeat then costs a dictionary lookup, the stamp and the backend's forward, or where the backend gives one its
+:meth:`~relbias.backends.base.Backend.repeat_runner` (the decode backend's native kernel call, with the strides
+and the native kernels' availability read again). Kept are inference calls (grad mode
 off, outside ``torch.compile``) without a mask, dropout, window, grouped-query heads or tensor positions, whose
 arguments have exactly the types validation accepted (plain tensors, bools, ints, floats, strs), and only where every
 backend consulted is :attr:`~relbias.backends.base.Backend.repeatable` (its reasons read nothing but the signature,
@@ -36,13 +38,14 @@ from .backends.base import Backend
 from .biases.base import RelativeBias
 from .call import SIGNATURE_DERIVED, STATE_DERIVED, AttentionCall
 
-__all__ = ["MAX_SIGNATURES", "forget", "recall", "remember", "signature"]
+__all__ = ["MAX_SIGNATURES", "forget", "recall", "remember", "run", "signature"]
 
 #: Signatures kept; the oldest is dropped first.
 MAX_SIGNATURES = 64
 
 #: signature -> (bias weakref or None, registry generation, backend, the call's fields (None where a repeat
-#: brings its own: query, key, value, bias, return_lse, _cache), bias stamp, whether it hides keys, derived values)
+#: brings its own: query, key, value, bias, return_lse, _cache), bias stamp, whether it hides keys, derived values,
+#: the backend's repeat runner or None)
 _PLANS: dict[tuple, tuple] = {}
 _LOCK = threading.Lock()  # for remember's eviction; recall reads without it (one dict lookup)
 
@@ -75,21 +78,54 @@ def signature(query, key, value, bias, mask, is_causal, scale, convention, query
             torch.is_inference_mode_enabled())
 
 
-def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
-           bias: RelativeBias | None, return_lse: bool) -> tuple[Backend, AttentionCall] | None:
-    """``(backend, call)`` for a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when
-    the signature is not kept or the values it cannot vouch for changed (the bias state, NaN/inf in hidden keys)."""
+def _plan(key: tuple, bias: RelativeBias | None) -> tuple | None:
+    """The kept plan of the signature ``key`` when it still holds for ``bias`` (the registry unchanged, the same bias
+    module, its state stamp equal), else None."""
     try:
         plan = _PLANS.get(key)
     except TypeError:  # an unhashable bias attribute
         return None
     if plan is None:
         return None
-    ref, generation, backend, fields, stamp, hides, derived = plan
+    ref, generation, stamp = plan[0], plan[1], plan[4]
     if generation != registry.generation() or (ref is not None and ref() is not bias):
         return None
     if bias is not None and bias.state_stamp() != stamp:
         return None
+    return plan
+
+
+def run(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor, bias: RelativeBias | None,
+        return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(out, lse)`` of a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when the
+    signature is not kept or the values it cannot vouch for changed (then the caller takes the full path). Runs the
+    backend's :meth:`~relbias.backends.base.Backend.repeat_runner` where it kept one and it runs these tensors, else
+    the backend's forward on the call :func:`recall` builds."""
+    plan = _plan(key, bias)
+    if plan is None:
+        return None
+    runner = plan[7]
+    if runner is not None:
+        result = runner(query, key_, value)
+        if result is not None:
+            return result
+    repeated = _recalled(plan, query, key_, value, bias, return_lse)
+    if repeated is None:
+        return None
+    backend, call = repeated
+    return backend.forward(call)
+
+
+def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
+           bias: RelativeBias | None, return_lse: bool) -> tuple[Backend, AttentionCall] | None:
+    """``(backend, call)`` for a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when
+    the signature is not kept or the values it cannot vouch for changed (the bias state, NaN/inf in hidden keys)."""
+    plan = _plan(key, bias)
+    return None if plan is None else _recalled(plan, query, key_, value, bias, return_lse)
+
+
+def _recalled(plan: tuple, query, key_, value, bias, return_lse) -> tuple[Backend, AttentionCall] | None:
+    _, _, backend, fields, _, hides, derived, _ = plan
     state = fields.copy()  # the validated call's fields on these tensors, without __init__'s keyword binding
     state["query"], state["key"], state["value"], state["bias"] = query, key_, value, bias
     state["return_lse"], state["_cache"] = return_lse, derived.copy()
@@ -124,8 +160,10 @@ def remember(key: tuple, name: str, backend: Backend, call: AttentionCall, gener
     if not hides:
         derived["hidden_keys_finite"] = True
     fields = dict(call.__dict__, query=None, key=None, value=None, bias=None, return_lse=None, _cache=None)
+    # a runner may hold the bias's values: kept where they read the bias's parameters and buffers alone
+    runner = backend.repeat_runner(call) if bias is None or bias.state_only else None
     plan = (None if bias is None else weakref.ref(bias), generation, backend, fields,
-            call._cache.get("bias_stamp") if bias is not None else None, hides, derived)
+            call._cache.get("bias_stamp") if bias is not None else None, hides, derived, runner)
     with _LOCK:
         while len(_PLANS) >= MAX_SIGNATURES:
             _PLANS.pop(next(iter(_PLANS)))

@@ -162,10 +162,9 @@ def attention(
     # an inference call repeated with the same signature skips what validation and dispatch decided for it
     signature = _repeat.signature(query, key, value, bias, mask, is_causal, scale, convention, query_start, key_start,
                                   backend, return_lse, dropout_p, generator, attn_mask, enable_gqa, window)
-    repeated = None if signature is None else _repeat.recall(signature, query, key, value, bias, return_lse)
+    repeated = None if signature is None else _repeat.run(signature, query, key, value, bias, return_lse)
     if repeated is not None:
-        chosen, call = repeated
-        out, lse = chosen.forward(call)
+        out, lse = repeated
         return (out, lse) if return_lse else out
     generation = registry.generation()  # the registry the choice below is made against
     call = make_call(

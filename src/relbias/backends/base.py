@@ -15,6 +15,7 @@ A backend never hands a call to another one: what it cannot run is a reason, so 
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import torch
 
@@ -56,6 +57,16 @@ class Backend(abc.ABC):
         :attr:`~relbias.call.AttentionCall.hidden_keys_finite`). True lets the backend's reasons and a repeated
         call skip reading those keys. Reads no value; O(1)."""
         return False
+
+    def repeat_runner(self, call: AttentionCall) -> Callable | None:
+        """A function ``(query, key, value) -> (out, lse) | None`` that runs what :meth:`forward` runs for a call of
+        ``call``'s signature (``relbias._repeat``) on other tensors of the same shapes, dtypes and devices, or None
+        (the default: every repeat builds its call and runs :meth:`forward`). ``call`` has just run. The function
+        returns None wherever it cannot vouch for these tensors (their strides, a kernel that was switched off, NaN/inf
+        in keys some query cannot see that its kernel would not confine); the repeat then takes :meth:`forward`. It
+        may hold values derived from the bias's state: ``relbias._repeat`` keeps it only for a ``state_only`` bias
+        (or none) and calls it after checking the bias's state stamp."""
+        return None
 
     def auto_reasons(self, call: AttentionCall) -> list[str]:
         """Why ``backend="auto"`` passes this backend over although it could run ``call`` (default none).

@@ -187,7 +187,26 @@ def _native_takes(call: AttentionCall) -> bool:
 
 def _find_native(call: AttentionCall):
     """The extension where it is built (and not opted out of) and reads the inputs in place (strides: per call)."""
-    return _toeplitz_native.load_native() if _toeplitz_native.read_in_place(call.query, call.key, call.value) else None
+    return _native_for(call.query, call.key, call.value)
+
+
+def _native_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    return _toeplitz_native.load_native() if _toeplitz_native.read_in_place(query, key, value) else None
+
+
+def _native_runner(call: AttentionCall):
+    """:meth:`DecodeBackend.repeat_runner`: where the native kernel ran ``call``, the kernel call on new tensors
+    with ``call``'s arguments (None where the strides or ``RELBIAS_NATIVE=0`` keep the kernel from them: the kernel
+    confines NaN/inf in hidden keys, the flash path would not)."""
+    if call._cache.get("decode_native") is None or narrow_to_window(call) is not call:
+        return None
+    arguments = _native_arguments(call)
+
+    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+        module = _native_for(query, key, value)
+        return None if module is None else module.toeplitz_forward(query, key, value, *arguments)
+
+    return run
 
 
 class DecodeBackend(Backend):
@@ -219,6 +238,9 @@ class DecodeBackend(Backend):
         # relbias' native kernel reads the values a row cannot see only to check them, and where one is NaN/inf it
         # multiplies each row by its own keys alone (csrc/toeplitz_forward.cpp, pv_product); CPU flash does not
         return _native_module(narrow_to_window(call)) is not None
+
+    def repeat_runner(self, call: AttentionCall):
+        return _native_runner(call)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_attention(call)
