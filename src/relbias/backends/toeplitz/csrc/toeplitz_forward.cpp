@@ -50,14 +50,27 @@ using namespace relbias_toeplitz;
 // (deterministic; vectorised without -ffast-math). Written as `#pragma omp simd reduction` loops inside the task
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
+// lanes[0] = the kLanes partials combined by op, halved log2(kLanes) times (lane l + width into lane l: a fixed order
+// on every ISA). A template per width, so each level's loop has a constant trip count and the compiler unrolls it
+// into register operations (a loop over the widths kept the partials in memory, with a store and a reload per level).
+template <int Width, typename T, typename Op>
+inline T halve_lanes(T* lanes, Op op) {
+  if constexpr (Width == 0) {
+    return lanes[0];
+  } else {
+    for (int l = 0; l < Width; ++l) lanes[l] = op(lanes[l], lanes[l + Width]);
+    return halve_lanes<Width / 2>(lanes, op);
+  }
+}
+
 // srow[j] += wrow[j] (Padded: + prow[j], the key padding row, 0 or -inf) for j < n; returns the largest (-inf for
 // n = 0; NaN if any is: a NaN query stays NaN). Masked: the sum only for jbeg <= j < jend, -inf at every other j (keys
 // the row cannot see: their scores, NaN/inf included, are replaced before the maximum), so that exp_sum gives them
 // P = 0 without a fill; the caller passes a row's whole tile (n = bk) when it hides fewer keys than a vector holds (a
 // decoding chunk's causal tile, a causal row's last keys): full vectors instead of a scalar tail. In GCC vector
 // extensions (also Clang's) of the target's register width: as a lane loop like exp_sum's, GCC kept the max scalar
-// (unrolled vmaxss). The maximum is exact, so the width does not change the result; the lanes are halved log2(kLanes)
-// times (a fixed order; skipped where the vector loop did not run).
+// (unrolled vmaxss). The maximum is exact, so the width does not change the result; the lanes are halved (halve_lanes;
+// skipped where the vector loop did not run).
 template <bool Padded, bool Masked, typename T>
 T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n,
                int64_t jbeg = 0, int64_t jend = 0) {
@@ -92,13 +105,7 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
   if (j > 0) {
     T lanes[kLanes];
     std::memcpy(lanes, &part, sizeof(Vec));
-    for (int width = kLanes / 2; width > 0; width /= 2) {
-      for (int l = 0; l < width; ++l) {
-        const T x = lanes[l + width];
-        lanes[l] = x > lanes[l] || x != x ? x : lanes[l];
-      }
-    }
-    mx = lanes[0];
+    mx = halve_lanes<kLanes / 2>(lanes, [](T a, T x) { return x > a || x != x ? x : a; });
   }
   for (; j < n; ++j) {
     T x = srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]);
@@ -134,12 +141,8 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
     }
   }
   T sum = 0;
-  if (j > 0) {  // the lanes hold something: halved until one is left, lane l + width into lane l (a fixed order,
-    // log2(kLanes) levels against as many additions in a chain)
-    for (int width = kLanes / 2; width > 0; width /= 2) {
-      for (int l = 0; l < width; ++l) part[l] += part[l + width];
-    }
-    sum = part[0];
+  if (j > 0) {  // the lanes hold something (log2(kLanes) levels against as many additions in a chain)
+    sum = halve_lanes<kLanes / 2>(part, [](T a, T x) { return a + x; });
   }
   for (; j < n; ++j) {
     const T p = exp_term(srow[j], m, floor);
