@@ -30,7 +30,8 @@ if os.environ.get("RELBIAS_BUILD_NATIVE", "").strip() == "1":
         ext_modules.append(CppExtension(
             name="relbias.backends.toeplitz." + isa["AOT_PREFIX"] + level, sources=sources,
             define_macros=[("RELBIAS_SOURCE_DIGEST", digest)],
-            extra_compile_args=[*isa["OPT_FLAGS"], "-g0", f"-march={march}", "-fopenmp"], extra_link_args=["-fopenmp"],
+            extra_compile_args=[*isa["OPT_FLAGS"], *isa["vector_flags"](), "-g0", f"-march={march}", "-fopenmp"],
+            extra_link_args=["-fopenmp"],
         ))
     cmdclass = {"build_ext": BuildExtension}
 

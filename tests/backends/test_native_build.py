@@ -53,6 +53,9 @@ def test_levels_and_arch_flags_per_machine():
     assert _native_isa.jit_arch_flag({"RELBIAS_NATIVE_MARCH": " x86-64-v2 "}, "x86_64") == "-march=x86-64-v2"
     with pytest.raises(ValueError, match=r"RELBIAS_NATIVE_MARCH must be one -march value .* got 'x86-64 -O0'"):
         _native_isa.jit_arch_flag({"RELBIAS_NATIVE_MARCH": "x86-64 -O0"}, "x86_64")
+    # 512-bit vectors preferred where the target has AVX-512: an x86 flag that Arm compilers refuse
+    assert _native_isa.vector_flags("x86_64") == _native_isa.vector_flags("AMD64") == ("-mprefer-vector-width=512",)
+    assert _native_isa.vector_flags("aarch64") == _native_isa.vector_flags("arm64") == ()
 
 
 def test_cpu_flags_reads_the_flags_line(tmp_path):
@@ -123,7 +126,8 @@ def test_the_first_build_is_announced_once_with_its_folder(fake_build, caplog, t
     assert len(announced) == 1 and "compiling the toeplitz kernels" in announced[0]
     assert str(tmp_path / "relbias") in announced[0] and "`relbias build` does it ahead of time" in announced[0]
     assert variant == "built on first use (-march=native, OpenMP)" and again.name == module.name
-    assert fake_build.calls == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp"]] * 2
+    opt = ["-O3", "-fno-trapping-math", *_native_isa.vector_flags(), "-march=native"]
+    assert fake_build.calls == [[*opt, "-fopenmp"]] * 2
 
 
 def test_a_compiler_without_openmp_gets_a_single_threaded_build_and_advice(fake_build, monkeypatch, caplog):
@@ -132,10 +136,12 @@ def test_a_compiler_without_openmp_gets_a_single_threaded_build_and_advice(fake_
     with pytest.warns(RuntimeWarning, match=r"built without OpenMP .*brew install llvm"):
         _, variant = _native_build.build()
     assert variant == "built on first use (-march=native, no OpenMP: one thread per call)"
-    assert fake_build.calls == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp"], ["-O3", "-fno-trapping-math", "-march=native", "-fopenmp-simd"]]
+    opt = ["-O3", "-fno-trapping-math", *_native_isa.vector_flags(), "-march=native"]
+    assert fake_build.calls == [[*opt, "-fopenmp"], [*opt, "-fopenmp-simd"]]
     with pytest.warns(RuntimeWarning, match="built without OpenMP"):
         _native_build.build()  # the next process: straight to the build without OpenMP
-    assert fake_build.calls[2:] == [["-O3", "-fno-trapping-math", "-march=native", "-fopenmp-simd"]]
+    assert fake_build.calls[2:] == [["-O3", "-fno-trapping-math", *_native_isa.vector_flags(), "-march=native",
+                                      "-fopenmp-simd"]]
     monkeypatch.setenv("CXX", "g++")  # another compiler: OpenMP is tried again
     fake_build.refuse_openmp = False
     assert _native_build.build()[1] == "built on first use (-march=native, OpenMP)"

@@ -5,7 +5,8 @@ a build on first use (cached), with or without OpenMP.
    installed level that the CPU and ATen's capability allow, loaded when it was built from the installed sources
    (else skipped, and the build on first use runs).
 2. **On first use**: :func:`torch.utils.cpp_extension.load` (a C++ compiler and the ``ninja`` package), with
-   :data:`~relbias.backends.toeplitz._isa.OPT_FLAGS` (``-O3 -fno-trapping-math``), the architecture flag of
+   :data:`~relbias.backends.toeplitz._isa.OPT_FLAGS` (``-O3 -fno-trapping-math``) and
+   :func:`~relbias.backends.toeplitz._isa.vector_flags` (x86-64: 512-bit vectors preferred), the architecture flag of
    :func:`~relbias.backends.toeplitz._isa.jit_arch_flag` and ``-fopenmp``, into
    ``$TORCH_EXTENSIONS_DIR/relbias/...`` (default ``~/.cache/relbias/torch_extensions/...``; ``$XDG_CACHE_HOME`` is
    respected), in a folder named after the torch and Python versions, a hash of the CPU's feature flags and a
@@ -133,7 +134,7 @@ def _jit(openmp: bool, sanitize: bool = False):
     # extension's libgomp.so.1 resolves (by soname) to the one torch loaded, so it shares torch's threads and their
     # denormal mode. -fopenmp-simd keeps the kernels' `omp simd` loops vectorised without the runtime.
     arch = _native_isa.jit_arch_flag()
-    opt = _native_isa.SANITIZE_FLAGS if sanitize else _native_isa.OPT_FLAGS
+    opt = _native_isa.SANITIZE_FLAGS if sanitize else _native_isa.OPT_FLAGS + _native_isa.vector_flags()
     cflags = [*opt, arch, "-fopenmp" if openmp else "-fopenmp-simd"]
     ldflags = (["-fopenmp"] if openmp else []) + [f for f in opt if f.startswith("-fsanitize")]
     # the sources' folder too: ninja rebuilds when the same sources sit elsewhere (another checkout or venv), so each
