@@ -4,6 +4,7 @@ or reroutes whatever the first call would have: changed bias parameters, NaN/inf
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -96,6 +97,22 @@ def test_a_replaced_parameter_is_read():
         relbias.attention(q, k, v, bias=bias)
         bias.weight = torch.nn.Parameter(torch.randn_like(bias.weight))
         _assert_current_values_read(q, k, v, bias)
+
+
+def test_a_parameter_replaced_twice_is_read_even_where_the_allocator_reuses_the_first_ones_place():
+    """The second replacement may be allocated where the original was (its object and its storage freed by the
+    first): the kept stamp holds the original, so nothing can take its place and every repeat reads the new values
+    (without that, about 2% of these trials returned the first call's output)."""
+    q, k, v = _qkv()
+    for _ in range(100):
+        bias = relbias.T5Bias(num_heads=4, bidirectional=False, init_std=1.0)
+        with torch.no_grad():
+            relbias.attention(q, k, v, bias=bias)
+            kept = weakref.ref(bias.weight)
+            for _ in range(2):
+                bias.weight = torch.nn.Parameter(bias.weight.detach() * 1.3)
+            assert kept() is not None  # held by the stamps the caches keep
+            _assert_current_values_read(q, k, v, bias)
 
 
 def test_nan_in_a_hidden_key_on_a_repeat_stays_with_the_queries_that_see_it():

@@ -5,9 +5,11 @@ at every decoding step, and a benchmark or a serving loop repeats one call. Ever
 :func:`relbias.call.make_call` checks and :func:`relbias.dispatch.resolve_backend` decides for such a call follows
 from that signature, except what reads values, which every repeat reads again:
 
-* the bias module's parameters and buffers: their :meth:`~relbias.RelativeBias.state_stamp` (storage, autograd
-  version counter and dtype of each) must equal the one taken when the signature was validated, whose finiteness
-  check it stands for (a parameter written in place, replaced or cast sends the call down the full path);
+* the bias module's parameters and buffers: their :meth:`~relbias.RelativeBias.state_stamp` (identity, storage,
+  autograd version counter and dtype of each; the kept stamp holds the tensors, so no replacement can take their
+  place) must equal the one taken when the signature was validated, whose finiteness check it stands for (a
+  parameter written in place, replaced or cast sends the call down the full path; a write through ``.data`` is not
+  seen, as autograd does not see it);
 * NaN/inf in keys or values that some query cannot see
   (:attr:`~relbias.call.AttentionCall.hidden_keys_finite`): read on every repeat of a signature that hides keys,
   unless the backend confines them itself (:meth:`~relbias.backends.base.Backend.confines_non_finite`, as the native

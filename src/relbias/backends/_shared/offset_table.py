@@ -9,10 +9,10 @@ down to ``-SPAN`` (``-inf`` at the negative, future offsets), with a capacity ``
 more; a step's ``w`` (Hb, Lq + Lk - 1), the reversed bias that the toeplitz kernel and the decode rows read, is then
 a view into it: no computation until the keys outgrow ``C``.
 
-The table is rebuilt when the bias's parameters or buffers change (their storage or version counter, as the native
-form's memo) and is kept outside the module (a weak reference to it), so that copies and pickles of a model carry
-no cache. Only families whose values read their parameters and buffers alone (``state_only``: T5, per-offset,
-ALiBi, KERPLE) have one.
+The table is rebuilt when the bias's parameters or buffers change (their state stamp: identity, storage or version
+counter, as the native form's memo) and is kept outside the module (a weak reference to it), so that copies and
+pickles of a model carry no cache. Only families whose values read their parameters and buffers alone
+(``state_only``: T5, per-offset, ALiBi, KERPLE) have one.
 """
 
 from __future__ import annotations
