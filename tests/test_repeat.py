@@ -115,6 +115,23 @@ def test_a_parameter_replaced_twice_is_read_even_where_the_allocator_reuses_the_
             _assert_current_values_read(q, k, v, bias)
 
 
+def test_a_setting_changed_after_a_call_is_read_by_the_next_one():
+    """A family's settings are not parameters: assigning one changes the state stamp, so neither a repeat nor the
+    native form's memo nor the offset table reuses values of the old settings, and a policy that now refuses does."""
+    q, k, v = _qkv(lq=1, lk=60)
+    bias = relbias.T5Bias(num_heads=4, bidirectional=False, init_std=1.0)
+    per_offset = relbias.PerOffsetBias(max_len=20, num_heads=4, bidirectional=False, init_std=1.0, out_of_range="clip")
+    with torch.no_grad():
+        relbias.attention(q, k, v, bias=bias, is_causal=True)
+        bias.max_distance, bias.num_buckets = 16, 8  # the table's first 8 rows under another bucketing
+        torch.testing.assert_close(relbias.attention(q, k, v, bias=bias, is_causal=True),
+                                   _reference(q, k, v, bias=bias, is_causal=True), atol=1e-5, rtol=1e-5)
+        relbias.attention(q, k, v, bias=per_offset, is_causal=True)
+        per_offset.out_of_range = "error"
+        with pytest.raises(ValueError, match="offset 59"):
+            relbias.attention(q, k, v, bias=per_offset, is_causal=True)
+
+
 def test_nan_in_a_hidden_key_on_a_repeat_stays_with_the_queries_that_see_it():
     q, k, v = _qkv(lq=6, lk=6)  # causal, queries on keys 0..5: key 5 is hidden from queries 0..4
     bias = relbias.T5Bias(num_heads=4, bidirectional=False)

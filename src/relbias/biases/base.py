@@ -31,9 +31,13 @@ from .native import NativeBias
 __all__ = ["CONVENTIONS", "RelativeBias", "StateStamp"]
 
 
+#: Attributes whose setting does not change a bias's values (the module's mode; a warning given once).
+_UNTRACKED_SETTINGS = frozenset({"training", "_mismatch_warned"})
+
+
 class StateStamp(list):
-    """A bias module's :meth:`RelativeBias.state_stamp`: ``(id, data_ptr, version counter, dtype)`` of each parameter
-    and buffer, compared as a list. It also holds the tensors (``tensors``, not compared), so while a cache keeps a
+    """A bias module's :meth:`RelativeBias.state_stamp`: how many times its settings were set, then ``(id, data_ptr,
+    version counter, dtype)`` of each parameter and buffer, compared as a list. It also holds the tensors (``tensors``, not compared), so while a cache keeps a
     stamp no other tensor can take a stamped tensor's id and storage: a parameter replaced, even twice (the second
     one allocated where the first original was), never matches the stamp of the original."""
 
@@ -70,6 +74,15 @@ class RelativeBias(nn.Module):
     #: decoder's layers share one bias per step). False by default: a subclass (or :class:`FunctionBias`' user
     #: function) may read other state.
     state_only: bool = False
+
+    def __setattr__(self, name: str, value) -> None:
+        """As ``nn.Module``'s; setting a plain attribute (a family's setting such as ``max_distance`` or
+        ``out_of_range``; not a tensor, a submodule or ``training``) also counts as a change of the module's state:
+        :meth:`state_stamp` differs afterwards, so nothing derived under the earlier settings (a repeated call's
+        checks, the native form's memo, the offset table) is reused."""
+        super().__setattr__(name, value)
+        if name not in _UNTRACKED_SETTINGS and not isinstance(value, (torch.Tensor, nn.Module)):
+            self.__dict__["_settings_version"] = self.__dict__.get("_settings_version", 0) + 1
 
     def offset_values(self, offsets: torch.Tensor) -> torch.Tensor:
         """Bias values at the given offsets.
@@ -169,10 +182,12 @@ class RelativeBias(nn.Module):
 
     def state_stamp(self, tensors: tuple[torch.Tensor, ...] | None = None) -> StateStamp:
         """What identifies the current values of :meth:`state_tensors` (``tensors``, when the caller has them): each
-        tensor's identity, storage, autograd version counter and dtype (:class:`StateStamp`, which holds the tensors).
-        It changes when a parameter or buffer is written in place (an autograd-visible write), replaced or cast;
+        tensor's identity, storage, autograd version counter and dtype, and the count of the module's settings
+        (:class:`StateStamp`, which holds the tensors). It changes when a parameter or buffer is written in place (an
+        autograd-visible write), replaced or cast, and when a setting is assigned (:meth:`__setattr__`);
         O(number of tensors), no value read. Writes through ``.data`` bypass the version counter and are not seen."""
         stamp, held = StateStamp(), []
+        stamp.append(self.__dict__.get("_settings_version", 0))
         if tensors is None and not self._modules:  # every built-in family: read directly (a repeated call's check)
             for t in self._parameters.values():  # plain loops: cheaper than comprehensions of tuples
                 if t is not None:
