@@ -37,9 +37,10 @@ _UNTRACKED_SETTINGS = frozenset({"training", "_mismatch_warned"})
 
 class StateStamp(list):
     """A bias module's :meth:`RelativeBias.state_stamp`: how many times its settings were set, then ``(id, data_ptr,
-    version counter, dtype)`` of each parameter and buffer, compared as a list. It also holds the tensors (``tensors``, not compared), so while a cache keeps a
-    stamp no other tensor can take a stamped tensor's id and storage: a parameter replaced, even twice (the second
-    one allocated where the first original was), never matches the stamp of the original."""
+    version counter, dtype)`` of each parameter and buffer, compared as a list. It also holds the tensors
+    (``tensors``, not compared), so while a cache keeps a stamp no other tensor can take a stamped tensor's id and
+    storage: a parameter replaced, even twice (the second one allocated where the first original was), never matches
+    the stamp of the original."""
 
     __slots__ = ("tensors",)
 
@@ -180,11 +181,11 @@ class RelativeBias(nn.Module):
             return tuple([t for t in (*self._parameters.values(), *self._buffers.values()) if t is not None])
         return (*self.parameters(), *self.buffers())
 
-    def state_stamp(self, tensors: tuple[torch.Tensor, ...] | None = None) -> StateStamp:
+    def state_stamp(self, tensors: tuple[torch.Tensor, ...] | None = None) -> list:
         """What identifies the current values of :meth:`state_tensors` (``tensors``, when the caller has them): each
         tensor's identity, storage, autograd version counter and dtype, and the count of the module's settings
-        (:class:`StateStamp`, which holds the tensors). It changes when a parameter or buffer is written in place (an
-        autograd-visible write), replaced or cast, and when a setting is assigned (:meth:`__setattr__`);
+        (a ``StateStamp``: a list that also holds the tensors). It changes when a parameter or buffer is written in
+        place (an autograd-visible write), replaced or cast, and when a setting is assigned (``__setattr__``);
         O(number of tensors), no value read. Writes through ``.data`` bypass the version counter and are not seen."""
         stamp, held = StateStamp(), []
         stamp.append(self.__dict__.get("_settings_version", 0))
@@ -261,7 +262,7 @@ class RelativeBias(nn.Module):
     def __getstate__(self) -> dict:
         """The module's state for ``copy.deepcopy``, pickling and ``torch.save``: that of any module, less what is
         only valid for this object in this process, rebuilt or redone on the next call: the memo of the last native
-        form, and the state stamp (:class:`StateStamp`) of the parameters last found finite."""
+        form, and the state stamp of the parameters last found finite."""
         state = super().__getstate__()
         state.pop("_native_memo", None)
         state.pop("_finite_stamp", None)
