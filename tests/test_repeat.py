@@ -236,11 +236,11 @@ def test_another_bias_module_never_takes_a_kept_signature():
         (signature,) = _repeat._PLANS
         other = relbias.T5Bias(num_heads=4, bidirectional=True)  # another module, with the same parameter
         other.weight = first.weight
-        assert _repeat.recall(signature, q, k, v, other, False) is None  # as if it had first's id
-        assert _repeat.recall(signature, q, k, v, first, False) is not None
+        assert _repeat.run(signature, q, k, v, other, False) is None  # as if it had first's id
+        assert _repeat.run(signature, q, k, v, first, False) is not None
         del first
         gc.collect()
-        assert _repeat.recall(signature, q, k, v, other, False) is None
+        assert _repeat.run(signature, q, k, v, other, False) is None
 
 
 def test_the_memo_is_bounded():

@@ -16,16 +16,17 @@ from that signature, except what reads values, which every repeat reads again:
   decode kernel does); a non-finite one sends the call down the full path, which chooses a backend that confines it.
 
 A repeat then costs a dictionary lookup, the stamp and the backend's forward, or where the backend gives one its
-:meth:`~relbias.backends.base.Backend.repeat_runner` (the decode backend's native kernel call, with the strides
-and the native kernels' availability read again). Kept are inference calls (grad mode
-off, outside ``torch.compile``) without a mask, dropout, window, grouped-query heads or tensor positions, whose
-arguments have exactly the types validation accepted (plain tensors, bools, ints, floats, strs), and only where every
-backend consulted is :attr:`~relbias.backends.base.Backend.repeatable` (its reasons read nothing but the signature,
-the bias state and ``hidden_keys_finite``); every other call takes the full path. The signature includes the bias
-module's attributes that validation reads (``num_heads``, ``bidirectional``, ``default_convention``); derived values
-that hold the bias's values are kept only for a ``state_only`` family, whose values read its parameters and buffers
-alone. A change to the registry of backends forgets every signature (a choice made while it changed is not kept). The memo holds the bias module by weak reference and at most
-:data:`MAX_SIGNATURES` signatures (a growing KV cache makes one per decoding step, shared by its layers).
+:meth:`~relbias.backends.base.Backend.repeat_runner` (the decode backend's native kernel call, with the strides and
+the native kernels' availability read again). Kept are inference calls (grad mode off, outside ``torch.compile``)
+without a mask, dropout, window, grouped-query heads or tensor positions, whose arguments have exactly the types
+validation accepted (plain tensors, bools, ints, floats, strs), and only where every backend consulted is
+:attr:`~relbias.backends.base.Backend.repeatable` (its reasons read nothing but the signature, the bias state and
+``hidden_keys_finite``); every other call takes the full path. The signature includes the bias module's attributes
+that validation reads (``num_heads``, ``bidirectional``, ``default_convention``); derived values that hold the
+bias's values are kept only for a ``state_only`` family, whose values read its parameters and buffers alone. A
+change to the registry of backends forgets every signature (a choice made while it changed is not kept). The memo
+holds the bias module by weak reference and at most :data:`MAX_SIGNATURES` signatures (a growing KV cache makes one
+per decoding step, shared by its layers).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .backends.base import Backend
 from .biases.base import RelativeBias
 from .call import SIGNATURE_DERIVED, STATE_DERIVED, AttentionCall
 
-__all__ = ["MAX_SIGNATURES", "forget", "recall", "remember", "run", "signature"]
+__all__ = ["MAX_SIGNATURES", "forget", "remember", "run", "signature"]
 
 #: Signatures kept; the oldest is dropped first.
 MAX_SIGNATURES = 64
@@ -49,7 +50,7 @@ MAX_SIGNATURES = 64
 #: brings its own: query, key, value, bias, return_lse, _cache), bias stamp, whether it hides keys, derived values,
 #: the backend's repeat runner or None)
 _PLANS: dict[tuple, tuple] = {}
-_LOCK = threading.Lock()  # for remember's eviction; recall reads without it (one dict lookup)
+_LOCK = threading.Lock()  # for remember's eviction; run reads without it (one dict lookup)
 
 _Tensor = torch.Tensor
 _NUMBERS = (float, int)
@@ -73,7 +74,7 @@ def signature(query, key, value, bias, mask, is_causal, scale, convention, query
             and (bias is None or isinstance(bias, RelativeBias))):
         return None
     # the bias module's attributes that validation reads (not in its state stamp); an unhashable one (a user
-    # family's) makes the key unhashable, and recall and remember then leave the call to the full path
+    # family's) makes the key unhashable, and run and remember then leave the call to the full path
     config = None if bias is None else (bias.num_heads, getattr(bias, "bidirectional", None), bias.default_convention)
     return (id(bias), config, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
             key.device, value.device, is_causal, scale, convention, query_start, key_start, backend, return_lse,
@@ -102,7 +103,7 @@ def run(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor
     """``(out, lse)`` of a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when the
     signature is not kept or the values it cannot vouch for changed (then the caller takes the full path). Runs the
     backend's :meth:`~relbias.backends.base.Backend.repeat_runner` where it kept one and it runs these tensors, else
-    the backend's forward on the call :func:`recall` builds."""
+    the backend's forward on the kept call's fields with these tensors."""
     plan = _plan(key, bias)
     if plan is None:
         return None
@@ -111,22 +112,16 @@ def run(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor
         result = runner(query, key_, value)
         if result is not None:
             return result
-    repeated = _recalled(plan, query, key_, value, bias, return_lse)
+    repeated = _recall(plan, query, key_, value, bias, return_lse)
     if repeated is None:
         return None
     backend, call = repeated
     return backend.forward(call)
 
 
-def recall(key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor,
-           bias: RelativeBias | None, return_lse: bool) -> tuple[Backend, AttentionCall] | None:
-    """``(backend, call)`` for a repeat of the signature ``key`` (:func:`signature`) on these tensors, or None when
-    the signature is not kept or the values it cannot vouch for changed (the bias state, NaN/inf in hidden keys)."""
-    plan = _plan(key, bias)
-    return None if plan is None else _recalled(plan, query, key_, value, bias, return_lse)
-
-
-def _recalled(plan: tuple, query, key_, value, bias, return_lse) -> tuple[Backend, AttentionCall] | None:
+def _recall(plan: tuple, query, key_, value, bias, return_lse) -> tuple[Backend, AttentionCall] | None:
+    """``(backend, call)``: the kept plan's validated call on these tensors, or None where NaN/inf in keys some query
+    cannot see would reach that query under the plan's backend."""
     _, _, backend, fields, _, hides, derived, _ = plan
     state = fields.copy()  # the validated call's fields on these tensors, without __init__'s keyword binding
     state["query"], state["key"], state["value"], state["bias"] = query, key_, value, bias
