@@ -174,7 +174,7 @@ def _native_module(call: AttentionCall):
     repeated call."""
     if not call._cached("decode_native_takes", lambda: _native_takes(call)):
         return None
-    return call._cached("decode_native", lambda: _find_native(call))
+    return call._cached("decode_native", lambda: _native_for(call.query, call.key, call.value))
 
 
 def _native_takes(call: AttentionCall) -> bool:
@@ -185,20 +185,17 @@ def _native_takes(call: AttentionCall) -> bool:
             and _toeplitz_native.takes(call.query) and not torch.compiler.is_compiling())
 
 
-def _find_native(call: AttentionCall):
-    """The extension where it is built (and not opted out of) and reads the inputs in place (strides: per call)."""
-    return _native_for(call.query, call.key, call.value)
-
-
 def _native_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """The extension where it is built (and not opted out of) and reads these inputs in place (strides: per call)."""
     return _toeplitz_native.load_native() if _toeplitz_native.read_in_place(query, key, value) else None
 
 
 def _native_runner(call: AttentionCall):
     """:meth:`DecodeBackend.repeat_runner`: where the native kernel ran ``call``, the kernel call on new tensors
     with ``call``'s arguments (None where the strides or ``RELBIAS_NATIVE=0`` keep the kernel from them: the kernel
-    confines NaN/inf in hidden keys, the flash path would not)."""
-    if call._cache.get("decode_native") is None or narrow_to_window(call) is not call:
+    confines NaN/inf in hidden keys, the flash path would not). A window that narrowed the keys ran the kernel on
+    another call object, whose cache holds the decision: none here."""
+    if call._cache.get("decode_native") is None:
         return None
     arguments = _native_arguments(call)
 
