@@ -187,21 +187,17 @@ class RelativeBias(nn.Module):
         (a ``StateStamp``: a list that also holds the tensors). It changes when a parameter or buffer is written in
         place (an autograd-visible write), replaced or cast, and when a setting is assigned (``__setattr__``);
         O(number of tensors), no value read. Writes through ``.data`` bypass the version counter and are not seen."""
+        if tensors is None and not self._modules:  # every built-in family: read directly (a repeated call's check)
+            groups = (self._parameters.values(), self._buffers.values())
+        else:
+            groups = (self.state_tensors() if tensors is None else tensors,)
         stamp, held = StateStamp(), []
         stamp.append(self.__dict__.get("_settings_version", 0))
-        if tensors is None and not self._modules:  # every built-in family: read directly (a repeated call's check)
-            for t in self._parameters.values():  # plain loops: cheaper than comprehensions of tuples
+        for group in groups:  # plain loops: cheaper than comprehensions of tuples
+            for t in group:
                 if t is not None:
                     stamp.append((id(t), t.data_ptr(), t._version, t.dtype))
                     held.append(t)
-            for t in self._buffers.values():
-                if t is not None:
-                    stamp.append((id(t), t.data_ptr(), t._version, t.dtype))
-                    held.append(t)
-        else:
-            for t in self.state_tensors() if tensors is None else tensors:
-                stamp.append((id(t), t.data_ptr(), t._version, t.dtype))
-                held.append(t)
         stamp.tensors = held
         return stamp
 
