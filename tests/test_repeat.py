@@ -166,10 +166,13 @@ def _ran_cpu_flash(run) -> bool:
     return any("scaled_dot_product" in event.key for event in profile.key_averages())
 
 
-@pytest.mark.parametrize("change", ["native off", "keys broadcast along the length"])
-def test_a_repeat_the_native_kernel_cannot_run_takes_the_forward(monkeypatch, change):
-    """A decoding signature kept while relbias' native kernel ran it: a repeat with the native kernels switched off,
-    or with keys the kernel would not read in place, runs the decode backend's flash path and gives its result."""
+# RELBIAS_NATIVE values that switch the native kernels off (stripped of whitespace, "0"), as Python reads them:
+# the repeat runner reads the variable in C++ and leaves what it cannot decide (a non-ASCII space) to Python
+_NATIVE_OFF = {"native off": "0", "native off, spaced": " 0\t", "native off, no-break space": "\u00a00\u00a0"}
+
+
+def _kept_native_decoding_signature():
+    """(q, k, v, bias) of a decoding call kept while relbias' native kernel ran it (skips where it is not built)."""
     from relbias.backends.toeplitz import _native
 
     if _native.load_native() is None:
@@ -180,14 +183,43 @@ def test_a_repeat_the_native_kernel_cannot_run_takes_the_forward(monkeypatch, ch
         relbias.attention(q, k, v, bias=bias, is_causal=True)
         assert len(_repeat._PLANS) == 1
         assert not _ran_cpu_flash(lambda: relbias.attention(q, k, v, bias=bias, is_causal=True))
-        if change == "native off":
-            monkeypatch.setenv("RELBIAS_NATIVE", "0")
+    return q, k, v, bias
+
+
+@pytest.mark.parametrize("change", [*_NATIVE_OFF, "keys broadcast along the length"])
+def test_a_repeat_the_native_kernel_cannot_run_takes_the_forward(monkeypatch, change):
+    """A decoding signature kept while relbias' native kernel ran it: a repeat with the native kernels switched off,
+    or with keys the kernel would not read in place, runs the decode backend's flash path and gives its result."""
+    q, k, v, bias = _kept_native_decoding_signature()
+    with torch.no_grad():
+        if change in _NATIVE_OFF:
+            monkeypatch.setenv("RELBIAS_NATIVE", _NATIVE_OFF[change])
         else:
             k = k[:, :, :1].expand_as(k)  # rows 0 apart: the kernel would copy them
         out = []
         assert _ran_cpu_flash(lambda: out.append(relbias.attention(q, k, v, bias=bias, is_causal=True)))
         expected = _reference(q, k, v, bias=bias, is_causal=True)
     torch.testing.assert_close(out[0], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("value, layout", [
+    ("1", "contiguous"), ("", "contiguous"), (" 00 ", "contiguous"), ("off", "contiguous"),
+    (None, "keys and values transposed from (B, L, H, D)"),
+])
+def test_a_repeat_runs_the_native_kernel_unless_relbias_native_is_0(monkeypatch, value, layout):
+    """A repeat of a kept decoding signature runs relbias' native kernel for any other RELBIAS_NATIVE value (or none),
+    and for keys and values it reads in place in another layout, and gives the first call's result."""
+    q, k, v, bias = _kept_native_decoding_signature()
+    if value is not None:
+        monkeypatch.setenv("RELBIAS_NATIVE", value)
+    if layout != "contiguous":  # (B, H, L, D) views of a (B, L, H, D) projection: rows H * D apart
+        k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    with torch.no_grad():
+        first = relbias.attention(q, k, v, bias=bias, is_causal=True, backend="toeplitz")  # the same kernel, in full
+        out = []
+        assert not _ran_cpu_flash(lambda: out.append(relbias.attention(q, k, v, bias=bias, is_causal=True)))
+    assert len(_repeat._PLANS) == 2  # the repeat kept no new signature (toeplitz's call is the other)
+    torch.testing.assert_close(out[0], first, atol=0, rtol=0)  # one kernel, one code path: bit for bit
 
 
 @pytest.mark.parametrize("bad, error", [

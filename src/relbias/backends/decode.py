@@ -192,18 +192,15 @@ def _native_for(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
 
 def _native_runner(call: AttentionCall):
     """:meth:`DecodeBackend.repeat_runner`: where the native kernel ran ``call``, the kernel call on new tensors
-    with ``call``'s arguments (None where the strides or ``RELBIAS_NATIVE=0`` keep the kernel from them: the kernel
-    confines NaN/inf in hidden keys, the flash path would not). A window that narrowed the keys ran the kernel on
-    another call object, whose cache holds the decision: none here."""
-    if call._cache.get("decode_native") is None:
+    with ``call``'s arguments, the extension's ``ForwardRepeat`` (csrc/toeplitz_repeat.cpp): it reads the strides and
+    ``RELBIAS_NATIVE`` again on every call, as :func:`_native_for` does, and answers None where they keep the kernel
+    from the tensors (the kernel confines NaN/inf in hidden keys, the flash path would not). A window that narrowed
+    the keys ran the kernel on another call object, whose cache holds the decision: none here."""
+    module = call._cache.get("decode_native")
+    if module is None:
         return None
-    arguments = _native_arguments(call)
-
-    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        module = _native_for(query, key, value)
-        return None if module is None else module.toeplitz_forward(query, key, value, *arguments)
-
-    return run
+    w, scale, delta, is_causal, tile_q, tile_k, blas, _, _, _, _, _, left, right = _native_arguments(call)
+    return module.ForwardRepeat(w, scale, delta, is_causal, tile_q, tile_k, blas, left, right)
 
 
 class DecodeBackend(Backend):

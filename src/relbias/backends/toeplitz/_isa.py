@@ -24,8 +24,9 @@ import platform
 from pathlib import Path
 
 CSRC = Path(__file__).with_name("csrc")
-#: Compiled into the one module (toeplitz_backward.cpp defines the Python bindings of both kernels).
-SOURCES = ("toeplitz_backward.cpp", "toeplitz_forward.cpp")
+#: Compiled into the one module (toeplitz_backward.cpp defines the Python bindings of both kernels and calls
+#: toeplitz_repeat.cpp's for ``ForwardRepeat``, a repeated decoding call's forward).
+SOURCES = ("toeplitz_backward.cpp", "toeplitz_forward.cpp", "toeplitz_repeat.cpp")
 #: Included by the sources: hashed with them, shipped with them.
 HEADERS = ("toeplitz_common.h",)
 #: Name of an ahead-of-time module: ``relbias.backends.toeplitz._native_<level>``.

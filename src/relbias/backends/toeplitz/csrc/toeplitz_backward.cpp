@@ -25,7 +25,8 @@
 // with MKL, else at::addmm_out on tile views. Denormals: flushed on every worker while it runs (FlushDenormals,
 // toeplitz_common.h; dS and the GEMMs can meet them); exp's clamp at -87 keeps P normal.
 //
-// One extension module with toeplitz_forward.cpp (the fused forward); the shared helpers (BLAS, GEMM, exp, checks)
+// One extension module with toeplitz_forward.cpp (the fused forward) and toeplitz_repeat.cpp (a repeated decoding
+// call's entry to it, bound by bind_repeat); the shared helpers (BLAS, GEMM, exp, checks)
 // are in toeplitz_common.h, and this file holds the module's Python bindings, at its end.
 
 #include "toeplitz_common.h"
@@ -277,6 +278,8 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
+void bind_repeat(pybind11::module_& m);  // toeplitz_repeat.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("toeplitz_backward", &toeplitz_backward, "toeplitz backward with a bias gradient (dq, dk, dv, grad_w)",
         py::arg("dout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("out"), py::arg("lse"),
@@ -289,6 +292,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("is_causal"), py::arg("tile_q"), py::arg("tile_k"), py::arg("blas"), py::arg("kpad") = py::none(),
         py::arg("dropout_p") = 0.0, py::arg("seed") = 0, py::arg("query_start") = 0, py::arg("key_start") = 0,
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::call_guard<py::gil_scoped_release>());
+  bind_repeat(m);
   m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
 #ifdef RELBIAS_SOURCE_DIGEST  // an ahead-of-time build (setup.py): the digest of the sources it was built from
 #define RELBIAS_STRINGIFY_(x) #x
