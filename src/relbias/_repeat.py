@@ -54,6 +54,10 @@ _LOCK = threading.Lock()  # for remember's eviction; run reads without it (one d
 
 _Tensor = torch.Tensor
 _NUMBERS = (float, int)
+# module globals: a decoding step reads them with cold caches, where each lookup in torch's namespaces costs
+_grad_enabled = torch.is_grad_enabled
+_compiling = torch.compiler.is_compiling  # dynamo knows the function itself: True while it traces
+_inference_mode = torch.is_inference_mode_enabled
 _new = object.__new__
 _set_attribute = object.__setattr__
 
@@ -63,7 +67,7 @@ def signature(query, key, value, bias, mask, is_causal, scale, convention, query
     """The memo key of a call to :func:`relbias.attention` (its arguments, in its order), or None for a call that is
     not kept (see the module's docstring). Reads no tensor value."""
     if (mask is not None or attn_mask is not None or window is not None or generator is not None
-            or enable_gqa is not False or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            or enable_gqa is not False or _grad_enabled() or _compiling()):
         return None
     if not (type(query) is _Tensor and type(key) is _Tensor and type(value) is _Tensor):
         return None
@@ -78,7 +82,7 @@ def signature(query, key, value, bias, mask, is_causal, scale, convention, query
     config = None if bias is None else (bias.num_heads, getattr(bias, "bidirectional", None), bias.default_convention)
     return (id(bias), config, query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype, query.device,
             key.device, value.device, is_causal, scale, convention, query_start, key_start, backend, return_lse,
-            torch.is_inference_mode_enabled())
+            _inference_mode())
 
 
 def _plan(key: tuple, bias: RelativeBias | None) -> tuple | None:
