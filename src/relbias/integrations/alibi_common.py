@@ -122,9 +122,8 @@ def alibi_attention(
                                                              counted_positions)
     call = dict(scale=scale, query_start=query_start, key_start=0, dropout_p=dropout_p,
                 enable_gqa=key.shape[1] != query.shape[1])
-    backend = {} if patch.backend is None else {"backend": patch.backend}
     fill = dict(scale=scale, additive_fill=additive_fill)
-    if not output_attentions:  # compiled: the mask converted when the graph runs (compiled_masks)
+    if not output_attentions and hf_mask is not None:  # compiled: the mask converted when the graph runs
         out = compiled_hf_attention(query, key, value, hf_mask, bias=patch.bias, is_causal=True,
                                     query_start=query_start, scale=scale, convention=convention,
                                     backend=patch.backend, dropout_p=dropout_p, enable_gqa=call["enable_gqa"],
@@ -141,4 +140,7 @@ def alibi_attention(
         _, probs = attention_with_weights(query, expanded_key, expanded_value, **call)
         probs = fill_hidden_weights(probs, hidden)
         return fill_hidden_rows(probs @ expanded_value, query, key, value, hidden, **fill), probs
-    return fill_hidden_rows(attention(query, key, value, **call, **backend), query, key, value, hidden, **fill), None
+    if patch.backend is not None:
+        call["backend"] = patch.backend
+    out = attention(query, key, value, **call)
+    return (out if hidden is None else fill_hidden_rows(out, query, key, value, hidden, **fill)), None

@@ -224,26 +224,32 @@ def relbias_t5_attention(
         query_start=position_bias.query_start, key_start=0,
         dropout_p=float(dropout) if module.training else 0.0,  # transformers passes 0 outside training
     )
-    # Rows with no visible key get transformers' mean of the values; eager attention adds the mask to the bias, so
-    # their gradient reaches the table there, while sdpa's torch.where keeps it from the table.
-    eager = getattr(getattr(module, "_relbias_stack_config", None), "_attn_implementation", None) == "eager"
-    fill = dict(scale=1.0, bias=position_bias.bias if eager else None, query_start=position_bias.query_start)
     if _wants_weights(module, kwargs):  # asked for: materialised (O(B·H·Lq·Lk)), as transformers' eager path
         _, weights = attention_with_weights(query, key, value, **call)  # (B, H, Lq, Lk), dropout applied
         weights = fill_hidden_weights(weights, hidden)
         out = weights @ value  # (B, H, Lq, D) from the returned weights, as eager: their .grad sees the output
-        out = fill_hidden_rows(out, query, key, value, hidden, **fill)
+        out = fill_hidden_rows(out, query, key, value, hidden, **_fill(module, position_bias))
         return out.transpose(1, 2).contiguous(), weights
-    # No backend given: relbias.attention's own default ("auto" where relbias has the dispatcher).
-    backend = {} if position_bias.backend is None else {"backend": position_bias.backend}
-    out = compiled_hf_attention(  # compiled: the mask converted when the graph runs (compiled_masks); else here
-        query, key, value, attention_mask, bias=position_bias.bias, is_causal=causal,
-        query_start=position_bias.query_start, scale=None, convention="t5", backend=position_bias.backend,
-        dropout_p=call["dropout_p"])
-    if out is None:
-        out = attention(query, key, value, **call, **backend)  # (B, H, Lq, D)
-    out = fill_hidden_rows(out, query, key, value, hidden, **fill)
+    out = None
+    if attention_mask is not None:  # compiled: the mask converted when the graph runs (compiled_masks); else here
+        out = compiled_hf_attention(
+            query, key, value, attention_mask, bias=position_bias.bias, is_causal=causal,
+            query_start=position_bias.query_start, scale=None, convention="t5", backend=position_bias.backend,
+            dropout_p=call["dropout_p"])
+    if out is None:  # no backend given: relbias.attention's own default ("auto" where relbias has the dispatcher)
+        out = (attention(query, key, value, **call) if position_bias.backend is None
+               else attention(query, key, value, **call, backend=position_bias.backend))  # (B, H, Lq, D)
+    if hidden is not None:
+        out = fill_hidden_rows(out, query, key, value, hidden, **_fill(module, position_bias))
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
+
+
+def _fill(module: nn.Module, position_bias: T5PositionBias) -> dict:
+    """:func:`~relbias.integrations.hidden_rows.fill_hidden_rows`' settings for a T5 layer: rows with no visible key
+    get transformers' mean of the values; eager attention adds the mask to the bias, so their gradient reaches the
+    table there, while sdpa's torch.where keeps it from the table."""
+    eager = getattr(getattr(module, "_relbias_stack_config", None), "_attn_implementation", None) == "eager"
+    return dict(scale=1.0, bias=position_bias.bias if eager else None, query_start=position_bias.query_start)
 
 
 def _wants_weights(module: nn.Module, kwargs: dict) -> bool:
