@@ -17,8 +17,10 @@ a model every call is colder), and relbias' time over SDPA's in us. Then tokens/
 a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random weights, built from configs: no download) at 512 and
 4096 input tokens: unpatched, patched, and the bound (patched, with the attention call returning its query: what the
 model costs when attention costs nothing), interleaved in one process, the best of ``--rounds`` rounds each, with
-identical tokens checked. ``share of bound`` is ``(unpatched/patched - 1) / (unpatched/bound - 1)``: the part of the
-most any attention could gain that the patch gains. Prints the load average before and after; run it on an otherwise
+identical tokens checked. The ratios are medians over the rounds of each round's own ratio (the three variants of a
+round run back to back, so a slower or faster stretch of a shared machine moves them together), and ``share of
+bound`` is ``(unpatched/patched - 1) / (unpatched/bound - 1)`` of those: the part of the most any attention could
+gain that the patch gains. Prints the load average before and after; run it on an otherwise
 idle machine.
 
     python benchmarks/bench_decode.py [--queries 1 16 128] [--lengths 128 512 2048 8192] [--inputs 512 4096]
@@ -175,7 +177,8 @@ class _LayerTimes:
 
 def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: int) -> None:
     """Greedy ``generate`` of each family, unpatched, patched, and patched with attention free (the bound), the three
-    interleaved for ``rounds`` rounds in this process (the best round of each reported); identical tokens checked."""
+    interleaved for ``rounds`` rounds in this process (the best round of each as tokens/s, the ratios as the medians of
+    each round's own); identical tokens checked."""
     print(f"{'model':>6} {'input':>6} {'unpatched tok/s':>16} {'patched tok/s':>14} {'bound tok/s':>12} "
           f"{'unpatched/patched':>18} {'unpatched/bound':>16} {'share of bound':>15}  same tokens")
     for family in families:
@@ -185,7 +188,7 @@ def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: 
             ids = torch.randint(2, vocabulary, (1, n), generator=torch.Generator().manual_seed(n))
             settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                             attention_mask=torch.ones_like(ids))
-            seconds, outs, layer_us = {}, {}, {}
+            seconds, outs, layer_us = {}, {}, {}  # seconds: each variant's time in every round
             with torch.no_grad():
                 for round_ in range(rounds + 1):  # the last round times the decoding steps' self-attention layers
                     for name, model in (("unpatched", plain), ("patched", patched), ("bound", patched)):
@@ -197,11 +200,12 @@ def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: 
                         if round_ == rounds:
                             layer_us[name] = statistics.median(timed.times)
                             continue
-                        seconds[name] = min(seconds.get(name, float("inf")), elapsed)
+                        seconds.setdefault(name, []).append(elapsed)
                         if name != "bound":
                             outs[name] = out
-            rate = {name: new_tokens / s for name, s in seconds.items()}
-            gain, most = seconds["unpatched"] / seconds["patched"], seconds["unpatched"] / seconds["bound"]
+            rate = {name: new_tokens / min(s) for name, s in seconds.items()}
+            gain, most = (statistics.median(u / t for u, t in zip(seconds["unpatched"], seconds[name]))
+                          for name in ("patched", "bound"))
             share = (gain - 1) / (most - 1) if most > 1 else float("nan")
             same = torch.equal(outs["unpatched"], outs["patched"])
             print(f"{family:>6} {n:>6} {rate['unpatched']:>16.1f} {rate['patched']:>14.1f} {rate['bound']:>12.1f} "
@@ -222,7 +226,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=("t5", "bloom"), default=["t5", "bloom"],
                         help="model families for generate (default both)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy new tokens per generate")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved generate rounds per model (best reported)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="interleaved generate rounds per model (tok/s: the best; ratios: the rounds' median)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
