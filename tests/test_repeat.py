@@ -4,6 +4,7 @@ or reroutes whatever the first call would have: changed bias parameters, NaN/inf
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -166,9 +167,22 @@ def _ran_cpu_flash(run) -> bool:
     return any("scaled_dot_product" in event.key for event in profile.key_averages())
 
 
-# RELBIAS_NATIVE values that switch the native kernels off (stripped of whitespace, "0"), as Python reads them:
-# the repeat runner reads the variable in C++ and leaves what it cannot decide (a non-ASCII space) to Python
-_NATIVE_OFF = {"native off": "0", "native off, spaced": " 0\t", "native off, no-break space": "\u00a00\u00a0"}
+# RELBIAS_NATIVE values that switch the native kernels off (stripped of whitespace, "0"), as Python reads them from
+# os.environ: the repeat runner reads os.environ's table in C++ and leaves what it cannot decide (a non-ASCII space)
+# to Python
+_NATIVE_OFF = {"native off": "0", "native off, spaced": " 0\t", "native off, ASCII separators": "\x1c0\x1f",
+               "native off, no-break space": "\u00a00\u00a0"}
+
+
+def _switch_native_off(monkeypatch, change: str) -> None:
+    """RELBIAS_NATIVE=0 as Python reads it (os.environ), set one of several ways."""
+    if change in _NATIVE_OFF:
+        monkeypatch.setenv("RELBIAS_NATIVE", _NATIVE_OFF[change])
+    elif change == "os.environ replaced by a mapping":
+        monkeypatch.setattr(os, "environ", {**os.environ, "RELBIAS_NATIVE": "0"})
+    else:  # "native off, unset in the C environment only": os.environ still says 0
+        monkeypatch.setenv("RELBIAS_NATIVE", "0")
+        os.unsetenv("RELBIAS_NATIVE")
 
 
 def _kept_native_decoding_signature():
@@ -186,16 +200,17 @@ def _kept_native_decoding_signature():
     return q, k, v, bias
 
 
-@pytest.mark.parametrize("change", [*_NATIVE_OFF, "keys broadcast along the length"])
+@pytest.mark.parametrize("change", [*_NATIVE_OFF, "os.environ replaced by a mapping",
+                                    "native off, unset in the C environment only", "keys broadcast along the length"])
 def test_a_repeat_the_native_kernel_cannot_run_takes_the_forward(monkeypatch, change):
     """A decoding signature kept while relbias' native kernel ran it: a repeat with the native kernels switched off,
     or with keys the kernel would not read in place, runs the decode backend's flash path and gives its result."""
     q, k, v, bias = _kept_native_decoding_signature()
     with torch.no_grad():
-        if change in _NATIVE_OFF:
-            monkeypatch.setenv("RELBIAS_NATIVE", _NATIVE_OFF[change])
-        else:
+        if change.startswith("keys"):
             k = k[:, :, :1].expand_as(k)  # rows 0 apart: the kernel would copy them
+        else:
+            _switch_native_off(monkeypatch, change)
         out = []
         assert _ran_cpu_flash(lambda: out.append(relbias.attention(q, k, v, bias=bias, is_causal=True)))
         expected = _reference(q, k, v, bias=bias, is_causal=True)
@@ -203,21 +218,29 @@ def test_a_repeat_the_native_kernel_cannot_run_takes_the_forward(monkeypatch, ch
 
 
 @pytest.mark.parametrize("value, layout", [
-    ("1", "contiguous"), ("", "contiguous"), (" 00 ", "contiguous"), ("off", "contiguous"),
-    (None, "keys and values transposed from (B, L, H, D)"),
+    ("1", "contiguous"), ("", "contiguous"), (" 00 ", "contiguous"), ("off", "contiguous"), ("\x010", "contiguous"),
+    ("0 in the C environment only", "contiguous"), (None, "keys and values transposed from (B, L, H, D)"),
 ])
 def test_a_repeat_runs_the_native_kernel_unless_relbias_native_is_0(monkeypatch, value, layout):
-    """A repeat of a kept decoding signature runs relbias' native kernel for any other RELBIAS_NATIVE value (or none),
-    and for keys and values it reads in place in another layout, and gives the first call's result."""
+    """A repeat of a kept decoding signature runs relbias' native kernel for any other RELBIAS_NATIVE value in
+    os.environ (or none: a value put only in the C environment is not Python's), and for keys and values it reads in
+    place in another layout, and gives the first call's result."""
     q, k, v, bias = _kept_native_decoding_signature()
-    if value is not None:
+    if value == "0 in the C environment only":
+        monkeypatch.delenv("RELBIAS_NATIVE", raising=False)
+        os.putenv("RELBIAS_NATIVE", "0")
+    elif value is not None:
         monkeypatch.setenv("RELBIAS_NATIVE", value)
     if layout != "contiguous":  # (B, H, L, D) views of a (B, L, H, D) projection: rows H * D apart
         k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
-    with torch.no_grad():
-        first = relbias.attention(q, k, v, bias=bias, is_causal=True, backend="toeplitz")  # the same kernel, in full
-        out = []
-        assert not _ran_cpu_flash(lambda: out.append(relbias.attention(q, k, v, bias=bias, is_causal=True)))
+    try:
+        with torch.no_grad():
+            first = relbias.attention(q, k, v, bias=bias, is_causal=True, backend="toeplitz")  # the same kernel
+            out = []
+            assert not _ran_cpu_flash(lambda: out.append(relbias.attention(q, k, v, bias=bias, is_causal=True)))
+    finally:
+        if value == "0 in the C environment only":
+            os.unsetenv("RELBIAS_NATIVE")
     assert len(_repeat._PLANS) == 2  # the repeat kept no new signature (toeplitz's call is the other)
     torch.testing.assert_close(out[0], first, atol=0, rtol=0)  # one kernel, one code path: bit for bit
 

@@ -8,7 +8,6 @@
 
 #include "toeplitz_common.h"
 
-#include <cstdlib>
 #include <vector>
 
 std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -20,18 +19,20 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
 
 namespace {
 
-// Whether RELBIAS_NATIVE leaves the native kernels on, as relbias.backends.toeplitz._native reads it (on unless
-// the value, stripped of whitespace, is "0"): 1 on (unset, or a value of printable ASCII other than "0" with
-// spaces or tabs around it), 0 off, -1 undecided here (another byte: Python's str.strip knows more whitespace).
-int native_enabled() {
-  const char* value = std::getenv("RELBIAS_NATIVE");
-  if (value == nullptr) return 1;
-  const char* begin = value;
-  const char* end = value + std::strlen(value);
-  for (const char* c = begin; c < end; ++c)
-    if ((*c < ' ' && *c != '\t') || static_cast<unsigned char>(*c) > '~') return -1;
-  while (begin < end && (*begin == ' ' || *begin == '\t')) ++begin;
-  while (end > begin && (end[-1] == ' ' || end[-1] == '\t')) --end;
+namespace py = pybind11;
+
+// Whether an ASCII byte is whitespace to Python's str.strip (str.isspace): \t \n \v \f \r, \x1c-\x1f, space.
+bool py_space(char c) { return (c >= '\t' && c <= '\r') || (c >= '\x1c' && c <= ' '); }
+
+// relbias.backends.toeplitz._native's reading of a RELBIAS_NATIVE value (on unless, stripped, it is "0") for the
+// bytes os.environ holds: 1 on, 0 off, -1 undecided here (a byte outside ASCII: Python decodes it and its strip knows
+// more whitespace).
+int enabled_by(const char* value, Py_ssize_t size) {
+  for (Py_ssize_t i = 0; i < size; ++i)
+    if (static_cast<unsigned char>(value[i]) > 0x7f) return -1;
+  const char *begin = value, *end = value + size;
+  while (begin < end && py_space(*begin)) ++begin;
+  while (end > begin && py_space(end[-1])) --end;
   return end - begin == 1 && *begin == '0' ? 0 : 1;
 }
 
@@ -47,28 +48,62 @@ bool read_in_place(const at::Tensor& t) {
 }  // namespace
 
 // The native forward of one signature's repeats: (out, lse) = toeplitz_forward(q, k, v, w, ...) with no key
-// padding and no dropout, or None where the Python path must decide (RELBIAS_NATIVE set to 0 or to a value this
-// reading leaves undecided; an input the kernel would not read in place).
+// padding and no dropout, or None where the Python path must decide (RELBIAS_NATIVE set to 0, or read here other than
+// as Python reads it; an input the kernel would not read in place).
 class ForwardRepeat {
  public:
   ForwardRepeat(at::Tensor w, double scale, int64_t delta, bool is_causal, int64_t tile_q, int64_t tile_k,
                 bool blas, int64_t window_left, int64_t window_right)
       : w_(std::move(w)), scale_(scale), delta_(delta), is_causal_(is_causal), tile_q_(tile_q), tile_k_(tile_k),
-        blas_(blas), window_left_(window_left), window_right_(window_right) {}
+        blas_(blas), window_left_(window_left), window_right_(window_right), os_(py::module_::import("os")),
+        name_("RELBIAS_NATIVE") {
+    // POSIX CPython: os.environ is an os._Environ whose _data dict holds the encoded names and values it reads
+    if (os_.attr("name").cast<std::string>() == "posix" && py::hasattr(os_, "_Environ"))
+      environ_type_ = os_.attr("_Environ");
+  }
 
-  pybind11::object operator()(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
-    if (native_enabled() != 1 || !read_in_place(q) || !read_in_place(k) || !read_in_place(v))
-      return pybind11::none();
+  py::object operator()(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+    if (native_enabled() != 1 || !read_in_place(q) || !read_in_place(k) || !read_in_place(v)) return py::none();
     std::vector<at::Tensor> result;
     {
-      pybind11::gil_scoped_release release;
+      py::gil_scoped_release release;
       result = toeplitz_forward(q, k, v, w_, scale_, delta_, is_causal_, tile_q_, tile_k_, blas_, c10::nullopt, 0.0,
                                 0, 0, 0, window_left_, window_right_);
     }
-    return pybind11::make_tuple(result[0], result[1]);
+    return py::make_tuple(result[0], result[1]);
   }
 
  private:
+  // RELBIAS_NATIVE as os.environ.get reads it, from os.environ's own table without running Python (os.environ as it
+  // stands now: a mapping put in its place, or a platform without that table, answers -1): 1 on, 0 off, -1 undecided.
+  int native_enabled() const {
+    if (!environ_type_) return -1;
+    PyObject* environ = PyObject_GetAttrString(os_.ptr(), "environ");
+    if (environ == nullptr) {
+      PyErr_Clear();
+      return -1;
+    }
+    PyObject* data = Py_TYPE(environ) == reinterpret_cast<PyTypeObject*>(environ_type_.ptr())
+                         ? PyObject_GetAttrString(environ, "_data")
+                         : nullptr;
+    Py_DECREF(environ);
+    if (data == nullptr) {
+      PyErr_Clear();
+      return -1;
+    }
+    int enabled = -1;
+    if (PyDict_CheckExact(data)) {
+      PyObject* value = PyDict_GetItemWithError(data, name_.ptr());  // borrowed
+      if (value != nullptr)
+        enabled = PyBytes_CheckExact(value) ? enabled_by(PyBytes_AS_STRING(value), PyBytes_GET_SIZE(value)) : -1;
+      else
+        enabled = PyErr_Occurred() ? -1 : 1;  // unset: on
+      PyErr_Clear();
+    }
+    Py_DECREF(data);
+    return enabled;
+  }
+
   at::Tensor w_;
   double scale_;
   int64_t delta_;
@@ -76,6 +111,9 @@ class ForwardRepeat {
   int64_t tile_q_, tile_k_;
   bool blas_;
   int64_t window_left_, window_right_;
+  py::module_ os_;
+  py::bytes name_;
+  py::object environ_type_;  // os._Environ where its table can be read, else None
 };
 
 void bind_repeat(pybind11::module_& m) {
