@@ -420,3 +420,42 @@ def test_the_kernels_refuse_rows_closer_than_head_dim_given_directly():
     w = torch.randn(H, 11, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="query must have unit stride along its last dimension"):
         module.toeplitz_forward(q, k, k, w, 0.3, 0, False, 4, 4, True)
+
+
+def test_the_kernels_refuse_a_negative_view_given_directly():
+    """A negative view (``torch._neg_view``) keeps its sign as a flag; the C++ entry points refuse it rather than read
+    its memory without the sign."""
+    module = _toeplitz_native.load_native()
+    q = torch.randn(B, H, 6, D, dtype=torch.float64)
+    w = torch.randn(H, 11, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="key must not be a negative view"):
+        module.toeplitz_forward(q, torch._neg_view(q), q, w, 0.3, 0, False, 4, 4, True)
+
+
+@pytest.mark.parametrize("negative", ["query", "key", "value"])
+@pytest.mark.parametrize("lq, backend", [(3, "decode"), (3, "auto"), (12, "toeplitz")])
+def test_a_negative_view_is_read_with_its_sign(negative, lq, backend):
+    """Negative views (``torch._neg_view``: the sign a flag, the memory unnegated) of query, key or value give the
+    reference's result, forward and backward, on a first call and on a repeat (decode keeps a native runner)."""
+    if _toeplitz_native.load_native() is None:
+        pytest.skip("the native kernels are not built here")
+    relbias._repeat.forget()
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, H, n, D, generator=g, dtype=torch.float64) for n in (lq, 20, 20))
+    bias = relbias.T5Bias(num_heads=H, bidirectional=False).double()
+    plain = dict(query=q, key=k, value=v)
+    views = {**plain, negative: torch._neg_view(-plain[negative])}  # the same values, negated twice
+    assert views[negative].is_neg() and torch.equal(views[negative].resolve_neg(), plain[negative])
+    want = relbias.attention(*plain.values(), bias=bias, is_causal=True, backend="reference")
+    with torch.no_grad():
+        for _ in range(2):  # a first call, then a repeat of its signature
+            got = relbias.attention(*views.values(), bias=bias, is_causal=True, backend=backend)
+            assert_rounding_close(got, want, n=20)
+    if backend == "toeplitz":  # the native backward reads them too
+        leaves = {name: t.detach().requires_grad_() for name, t in plain.items()}
+        relbias.attention(*leaves.values(), bias=bias, is_causal=True, backend="reference").sum().backward()
+        negated = {name: (torch._neg_view(-t) if name == negative else t.clone()).requires_grad_()
+                   for name, t in plain.items()}
+        relbias.attention(*negated.values(), bias=bias, is_causal=True, backend=backend).sum().backward()
+        for name in plain:
+            assert_rounding_close(negated[name].grad, leaves[name].grad, n=20, msg=lambda m, n=name: f"d{n}: {m}")

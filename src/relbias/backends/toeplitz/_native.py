@@ -131,8 +131,11 @@ def _module(what: str):
 def read_in_place(*tensors: torch.Tensor) -> bool:
     """Whether the native kernels read every (B, H, L, D) tensor of ``tensors`` without a copy: its last dimension has
     unit stride and its rows lie at least D apart (a slice along L, the transpose of a (B, L, H, D) projection, a
-    static cache's view, a broadcast batch or head; not a length broadcast, whose rows are 0 apart)."""
+    static cache's view, a broadcast batch or head; not a length broadcast, whose rows are 0 apart), and is not a
+    negative view (``torch._neg_view``: its sign is a flag the kernels, reading memory, would not apply)."""
     for tensor in tensors:
+        if tensor.is_neg():
+            return False
         if tensor.is_contiguous():  # the common case, without reading strides
             continue
         _, _, length, dim = tensor.shape
@@ -143,8 +146,8 @@ def read_in_place(*tensors: torch.Tensor) -> bool:
 
 def rows_layout(tensor: torch.Tensor) -> torch.Tensor:
     """A (B, H, L, D) ``tensor`` as the native kernels read it: itself where :func:`read_in_place`, else a contiguous
-    copy."""
-    return tensor if read_in_place(tensor) else tensor.contiguous()
+    copy (a negative view's sign applied)."""
+    return tensor if read_in_place(tensor) else tensor.resolve_neg().contiguous()
 
 
 def backward(

@@ -177,6 +177,8 @@ inline void check(const at::Tensor& t, const char* name, at::ScalarType dtype, i
   TORCH_CHECK(t.device().is_cpu(), name, " must be on CPU");
   TORCH_CHECK(t.scalar_type() == dtype, name, " must have dtype ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
+  // a negative view's sign is a flag on the tensor (torch._neg_view): the kernels read memory, so it must be applied
+  TORCH_CHECK(!t.is_neg(), name, " must not be a negative view (resolve_neg() first)");
   if (layout == Layout::kContiguous) TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
   if (layout == Layout::kRows)
     TORCH_CHECK(rows_layout(t), name, " must have unit stride along its last dimension and rows at least that long apart");
