@@ -6,16 +6,9 @@
 // costs several times what it costs in a loop (docs/performance.md, decoding). Python's checks stay the definition:
 // where this one cannot decide, it answers None and the caller takes the Python path.
 
-#include "toeplitz_common.h"
+#include "toeplitz_common.h"  // declares toeplitz_forward
 
 #include <vector>
-
-std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                         const at::Tensor& w, double scale, int64_t delta, bool is_causal,
-                                         int64_t tile_q, int64_t tile_k, bool blas,
-                                         const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
-                                         int64_t query_start, int64_t key_start, int64_t window_left,
-                                         int64_t window_right);
 
 namespace {
 
