@@ -29,14 +29,9 @@ int enabled_by(const char* value, Py_ssize_t size) {
   return end - begin == 1 && *begin == '0' ? 0 : 1;
 }
 
-// relbias.backends.toeplitz._native.read_in_place for one (B, H, L, D) tensor: not a negative view, unit stride
-// along D and rows at least D apart (any other would need a copy).
-bool read_in_place(const at::Tensor& t) {
-  if (t.dim() != 4 || t.is_neg()) return false;
-  if (t.is_contiguous()) return true;
-  const int64_t length = t.size(2), dim = t.size(3);
-  return (dim <= 1 || t.stride(3) == 1) && (length <= 1 || t.stride(2) >= dim);
-}
+// relbias.backends.toeplitz._native.read_in_place for one (B, H, L, D) tensor: not a negative view, and the kernels'
+// rows layout (toeplitz_common.h): any other would need a copy.
+bool read_in_place(const at::Tensor& t) { return t.dim() == 4 && !t.is_neg() && relbias_toeplitz::rows_layout(t); }
 
 }  // namespace
 
