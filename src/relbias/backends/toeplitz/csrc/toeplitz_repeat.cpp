@@ -44,7 +44,7 @@ class ForwardRepeat {
                 bool blas, int64_t window_left, int64_t window_right)
       : w_(std::move(w)), scale_(scale), delta_(delta), is_causal_(is_causal), tile_q_(tile_q), tile_k_(tile_k),
         blas_(blas), window_left_(window_left), window_right_(window_right), os_(py::module_::import("os")),
-        name_("RELBIAS_NATIVE") {
+        name_("RELBIAS_NATIVE"), environ_name_("environ"), data_name_("_data") {
     // POSIX CPython: os.environ is an os._Environ whose _data dict holds the encoded names and values it reads
     if (os_.attr("name").cast<std::string>() == "posix" && py::hasattr(os_, "_Environ"))
       environ_type_ = os_.attr("_Environ");
@@ -66,13 +66,13 @@ class ForwardRepeat {
   // stands now: a mapping put in its place, or a platform without that table, answers -1): 1 on, 0 off, -1 undecided.
   int native_enabled() const {
     if (!environ_type_) return -1;
-    PyObject* environ = PyObject_GetAttrString(os_.ptr(), "environ");
+    PyObject* environ = PyObject_GetAttr(os_.ptr(), environ_name_.ptr());
     if (environ == nullptr) {
       PyErr_Clear();
       return -1;
     }
     PyObject* data = Py_TYPE(environ) == reinterpret_cast<PyTypeObject*>(environ_type_.ptr())
-                         ? PyObject_GetAttrString(environ, "_data")
+                         ? PyObject_GetAttr(environ, data_name_.ptr())
                          : nullptr;
     Py_DECREF(environ);
     if (data == nullptr) {
@@ -101,6 +101,7 @@ class ForwardRepeat {
   int64_t window_left_, window_right_;
   py::module_ os_;
   py::bytes name_;
+  py::str environ_name_, data_name_;  // the attribute names, made once (GetAttrString makes one per call)
   py::object environ_type_;  // os._Environ where its table can be read, else None
 };
 
