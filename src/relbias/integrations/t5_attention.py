@@ -236,9 +236,10 @@ def relbias_t5_attention(
             query, key, value, attention_mask, bias=position_bias.bias, is_causal=causal,
             query_start=position_bias.query_start, scale=None, convention="t5", backend=position_bias.backend,
             dropout_p=call["dropout_p"])
-    if out is None:  # no backend given: relbias.attention's own default ("auto" where relbias has the dispatcher)
-        out = (attention(query, key, value, **call) if position_bias.backend is None
-               else attention(query, key, value, **call, backend=position_bias.backend))  # (B, H, Lq, D)
+    if out is None:
+        if position_bias.backend is not None:  # else relbias.attention's own default ("auto")
+            call["backend"] = position_bias.backend
+        out = attention(query, key, value, **call)  # (B, H, Lq, D)
     if hidden is not None:
         out = fill_hidden_rows(out, query, key, value, hidden, **_fill(module, position_bias))
     return out.transpose(1, 2).contiguous(), None  # (B, Lq, H, D), as transformers' attention functions return
