@@ -9,8 +9,9 @@ Per-call latency (ms, median of ``--calls`` calls after a warm-up, the methods i
   the layers);
 * ``relbias``: ``relbias.attention`` with ``backend="auto"``, causal, the queries at the last positions;
 
-for Lq in ``--queries`` (default 1) and Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, float32, causal ``T5Bias``),
-inference. With ``--loop N``, also back-to-back: the best of 7 runs of N calls of one method in a row (us per call,
+for Lq in ``--queries`` (default 1) and Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, ``--dtype`` (default float32;
+bfloat16 and float16 too: the cache and queries in that dtype, the materialised rows rounded to it as transformers'
+half-precision models do), causal ``T5Bias``), inference. With ``--loop N``, also back-to-back: the best of 7 runs of N calls of one method in a row (us per call,
 the methods alternating between runs), where caches and the interpreter stay warm (a repeated call's floor; inside
 a model every call is colder), and relbias' time over SDPA's in us. Then tokens/s of greedy ``generate``
 (``--new-tokens`` tokens; the prompt's forward included) of a t5-small-shaped ``T5ForConditionalGeneration`` and
@@ -24,7 +25,7 @@ gain that the patch gains. Prints the load average before and after; run it on a
 idle machine.
 
     python benchmarks/bench_decode.py [--queries 1 16 128] [--lengths 128 512 2048 8192] [--inputs 512 4096]
-        [--models t5 bloom] [--new-tokens 32] [--loop 2000]
+        [--models t5 bloom] [--new-tokens 32] [--loop 2000] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def _hf_row(bias: relbias.T5Bias, key_len: int, query_len: int = 1):
     return rows if query_len == 1 else rows.masked_fill(memory > context, float("-inf"))
 
 
-def decode_steps(queries: list[int], lengths: list[int], calls: int, loop: int = 0) -> None:
+def decode_steps(queries: list[int], lengths: list[int], calls: int, loop: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
     heads, dim = 8, 64
     bias = relbias.T5Bias(heads, bidirectional=False)
     with torch.no_grad():  # the benchmark's rows are the bias relbias uses
@@ -93,11 +95,12 @@ def decode_steps(queries: list[int], lengths: list[int], calls: int, loop: int =
           f"{'row/relbias':>12}  {'backend':<8}{looped}".rstrip())
     for lq in queries:
         for lk in (lk for lk in lengths if lk >= lq):
-            q, k, v = torch.randn(1, heads, lq, dim), torch.randn(1, heads, lk, dim), torch.randn(1, heads, lk, dim)
+            q, k, v = (torch.randn(1, heads, n, dim).to(dtype) for n in (lq, lk, lk))
             with torch.no_grad():
                 steps = {
                     "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, scale=1.0),
-                    "row": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=_hf_row(bias, lk, lq), scale=1.0),
+                    "row": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=_hf_row(bias, lk, lq).to(dtype),
+                                                                  scale=1.0),
                     "relbias": lambda: relbias.attention(q, k, v, bias=bias, is_causal=True, query_start=lk - lq),
                 }
                 ms = _median_ms(steps, calls)
@@ -175,14 +178,15 @@ class _LayerTimes:
             handle.remove()
 
 
-def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: int) -> None:
+def generation(families: list[str], inputs: list[int], new_tokens: int, rounds: int,
+               dtype: torch.dtype = torch.float32) -> None:
     """Greedy ``generate`` of each family, unpatched, patched, and patched with attention free (the bound), the three
     interleaved for ``rounds`` rounds in this process (the best round of each as tokens/s, the ratios as the medians of
     each round's own); identical tokens checked."""
     print(f"{'model':>6} {'input':>6} {'unpatched tok/s':>16} {'patched tok/s':>14} {'bound tok/s':>12} "
           f"{'unpatched/patched':>18} {'unpatched/bound':>16} {'share of bound':>15}  same tokens")
     for family in families:
-        plain, patched = _models(family)
+        plain, patched = (model.to(dtype) for model in _models(family))
         for n in inputs:
             vocabulary = 32000 if family == "t5" else 1024
             ids = torch.randint(2, vocabulary, (1, n), generator=torch.Generator().manual_seed(n))
@@ -229,14 +233,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="interleaved generate rounds per model (tok/s: the best; ratios: the rounds' median)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="queries, cache and models in this dtype (default float32)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"bench_decode: torch {torch.__version__}, {torch.get_num_threads()} threads; load average {os.getloadavg()}")
+    print(f"bench_decode: torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; load average "
+          f"{os.getloadavg()}")
     if args.lengths:
-        decode_steps(args.queries, args.lengths, args.calls, args.loop)
+        decode_steps(args.queries, args.lengths, args.calls, args.loop, dtype)
     if args.inputs:
-        generation(args.models, args.inputs, args.new_tokens, args.rounds)
+        generation(args.models, args.inputs, args.new_tokens, args.rounds, dtype)
     print(f"load average after: {os.getloadavg()}")
 
 

@@ -1,8 +1,8 @@
 """Benchmark: a t5-small-shaped transformers encoder, unpatched vs patched with relbias (``patch_t5``).
 
 Model: ``T5EncoderModel`` from a config with t5-small's shape (d_model 512, 8 heads, d_kv 64, 6 layers, d_ff 2048,
-ReLU feed-forward, 32 buckets, max_distance 128, vocab 32128), random weights (seed 0), float32, eval mode, no
-gradients; input: random token ids (batch, length), no padding. The unpatched model uses transformers' default
+ReLU feed-forward, 32 buckets, max_distance 128, vocab 32128), random weights (seed 0), ``--dtype`` (default
+float32; bfloat16 and float16: ``model.to(dtype)``, as half-precision serving does), eval mode, no gradients; input: random token ids (batch, length), no padding. The unpatched model uses transformers' default
 attention ("sdpa", whose T5 path builds a (1, 8, L, L) bias and passes it as SDPA's float mask).
 
 Method. Every (length, variant) runs in a fresh Python process (``--child``), so that one configuration's memory
@@ -23,6 +23,7 @@ Usage::
     python benchmarks/bench_hf_t5.py --batch 8 --threads 2
     python benchmarks/bench_hf_t5.py --lengths 4096 8192 --repeats 2 --backend auto
     python benchmarks/bench_hf_t5.py --batch 8 --lengths 4096 --variants unpatched patched bias-free
+    python benchmarks/bench_hf_t5.py --lengths 512 2048 --variants unpatched patched bias-free --dtype bfloat16
 
 The ``-compiled`` variants run the same model under ``torch.compile`` (inductor, static shapes): the first forward
 compiles (its time, reported as "first", and its extra memory include compilation), the timed ones run the compiled
@@ -69,6 +70,7 @@ def run_child(args: argparse.Namespace) -> dict:
     )
     torch.manual_seed(0)
     model = transformers.T5EncoderModel._from_config(config, attn_implementation="sdpa").eval()
+    model = model.to(getattr(torch, args.dtype))
     backend_used = None
     compiled = args.variant.endswith("-compiled")
     variant = args.variant.removesuffix("-compiled")
@@ -128,7 +130,7 @@ def _backend_choice(model, args) -> str:
     explain = getattr(relbias, "explain_backend", None)
     if explain is None:
         return "reference (relbias' default; no dispatcher)"
-    q = torch.empty(args.batch, 8, args.length, 64)
+    q = torch.empty(args.batch, 8, args.length, 64, dtype=getattr(torch, args.dtype))
     from relbias.integrations import t5_biases_from_model
 
     bias = t5_biases_from_model(model).encoder[0]
@@ -157,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=["unpatched", "patched"],
                         choices=["unpatched", "patched", "bias-free", "unpatched-compiled", "patched-compiled"])
     parser.add_argument("--json", help="also write the raw results to this file")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                        help="the model's dtype (default float32)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--variant", default="patched", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, default=512, help=argparse.SUPPRESS)
@@ -165,14 +169,16 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(run_child(args)))
         return
 
-    print(f"t5-small encoder (random weights), batch {args.batch}, float32, CPU; load average before: {_load_average()}")
+    print(f"t5-small encoder (random weights), batch {args.batch}, {args.dtype}, CPU; load average before: "
+          f"{_load_average()}")
     results = []
     for length in args.lengths:
         row = {}
         for variant in [v for _ in range(args.rounds) for v in args.variants]:
             command = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant,
                        "--length", str(length), "--batch", str(args.batch), "--repeats", str(args.repeats),
-                       "--budget-ms", str(args.budget_ms), "--threads", str(args.threads)]
+                       "--budget-ms", str(args.budget_ms), "--threads", str(args.threads),
+                       "--dtype", args.dtype]
             if args.backend:
                 command += ["--backend", args.backend]
             done = subprocess.run(command, capture_output=True, text=True)

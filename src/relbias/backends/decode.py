@@ -18,8 +18,10 @@ Nothing of K or V is copied or scanned: the native kernel keeps a NaN/inf in a k
 it, and only for the flash path are the keys some query cannot see checked for NaN/inf (see
 :attr:`relbias.call.AttentionCall.hidden_keys_finite`); a query with no visible key gets output 0 and lse -inf.
 
-Inference only (neither kernel gives a gradient for the bias here); float32 and float64 (half-precision masks would
-round the bias). Source: split-KV decoding (Dao et al. 2023, Flash-Decoding) with the bias as an additive mask, as
+Inference only (neither kernel gives a gradient for the bias here); float32 and float64, and bfloat16 / float16 where
+the native kernel runs them in half precision (:func:`relbias.backends.toeplitz._native.runs_half`: the CPU's matrix
+units; the cache read in place, the bias in float32; a call the kernel cannot read in place runs on float32 copies).
+Elsewhere half-precision calls go to the toeplitz backend (a half-precision mask would round the bias). Source: split-KV decoding (Dao et al. 2023, Flash-Decoding) with the bias as an additive mask, as
 Hugging Face's T5 decoder does with a materialised bias row.
 """
 
@@ -84,7 +86,8 @@ def _bias_block(call: AttentionCall, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _reversed(call: AttentionCall) -> torch.Tensor:
-    """``w`` (Hb, Lq + Lk - 1) in the dtype of ``call.query`` for an offset-only bias: the scaled per-offset values
+    """``w`` (Hb, Lq + Lk - 1) in the compute dtype of ``call.query`` (float32 for half precision) for an offset-only
+    bias: the scaled per-offset values
     reversed, -inf at a causal call's future offsets; a view into the bias's table (:func:`reversed_rows`), shared by
     every layer and step, else computed once per native form, which a decoder's layers share within a step. Kept in
     the call's ``"decode_reversed"`` entry, which a repeat of the call's signature starts with."""
@@ -92,7 +95,7 @@ def _reversed(call: AttentionCall) -> torch.Tensor:
 
 
 def _compute_reversed(call: AttentionCall) -> torch.Tensor:
-    dtype = call.query.dtype
+    dtype = compute_dtype(call.query.dtype)  # the bias never rounded to half precision
     w = reversed_rows(call, dtype)
     if w is not None:
         return w
@@ -127,11 +130,16 @@ def decode_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     fused = _native_forward(call)
     if fused is not None:
         return fused
-    attn_mask, visible = _additive_mask(call, call.query.dtype)
+    query, key, value = call.query, call.key, call.value
+    dtype = compute_dtype(query.dtype)
+    if dtype != query.dtype:  # half precision the native kernel did not take (a length broadcast): float32 copies
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    attn_mask, visible = _additive_mask(call, dtype)
     if call.return_lse:
-        out, lse = fused_forward(call.query, call.key, call.value, is_causal=False, scale=call.scale, attn_mask=attn_mask)
+        out, lse = fused_forward(query, key, value, is_causal=False, scale=call.scale, attn_mask=attn_mask)
     else:  # SDPA's own binding runs the same CPU kernel a few µs sooner than the raw op (and reads any strides)
-        out, lse = F.scaled_dot_product_attention(call.query, call.key, call.value, attn_mask, scale=call.scale), None
+        out, lse = F.scaled_dot_product_attention(query, key, value, attn_mask, scale=call.scale), None
+    out = out.to(call.query.dtype)
     if visible is not None:
         empty = ~visible.any(dim=-1)  # (B|1, H|1, Lq): the flash kernel returns out 0 and lse 0 there (math: NaN)
         out = out.masked_fill(empty[..., None], 0.0)
@@ -221,12 +229,18 @@ class DecodeBackend(Backend):
             reasons.append(f"{lq} queries; the decode backend takes at most {MAX_QUERIES} (a decoding step or chunk)")
         if call.needs_grad:
             reasons.append(f"{call.grad_source}; the decode backend is inference only (no gradient for its bias mask)")
-        if call.query.dtype not in (torch.float32, torch.float64):
-            reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias")
+        if call.query.dtype not in (torch.float32, torch.float64) and not _toeplitz_native.takes(call.query):
+            note = _toeplitz_native.half_precision_note(call.query.dtype) or f"{call.query.dtype} is not supported"
+            reasons.append(f"{call.query.dtype} inputs: the decode backend takes half precision in relbias' native "
+                           f"kernel only, which does not run it here ({note})")
         reasons += cpu_flash_reasons(call)
         if reasons:
             return reasons
         return [] if self.confines_non_finite(call) else non_finite_reasons(narrow_to_window(call), "the decode kernel")
+
+    def explain(self, call: AttentionCall) -> str:
+        note = _toeplitz_native.half_precision_note(call.query.dtype) if call.query.is_cpu else None
+        return self.summary if note is None else f"{self.summary}; {note}"
 
     def confines_non_finite(self, call: AttentionCall) -> bool:
         # relbias' native kernel reads the values a row cannot see only to check them, and where one is NaN/inf it

@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=_positive_int, default=1, help="batch size B")
     p.add_argument("--heads", type=_positive_int, default=8, help="num_heads H")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="head_dim D")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="input dtype")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="input dtype")
     p.add_argument("--repeats", type=_positive_int, default=3, help="fewest timed calls per method")
     p.add_argument("--budget-ms", type=_non_negative_float, default=500.0,
                    help="more timed calls, up to --max-repeats, until the slowest method has run this long (ms)")

@@ -36,8 +36,10 @@ padding are skipped; a query whose keys are all padded gets out 0 and lse -inf.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask or a bool key padding mask,
 no dropout unless the native kernels run, CPU, equal query and value head_dim, int positions (not the tensor
-positions of a compiled static cache). float16 and bfloat16 inputs run in float32 (a half-precision mask would
-round the bias).
+positions of a compiled static cache). float16 and bfloat16 inputs run the native forward in half precision where
+the CPU has matrix units for them (AMX-BF16, AMX-FP16: :func:`~relbias.backends.toeplitz._native.runs_half`), with
+the bias, scores and softmax in float32; elsewhere, and in the backward, they run on float32 copies (a
+half-precision mask would round the bias).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from .._shared.reasons import (
 )
 from .._shared.masks import additive_mask
 from ._kernel import part_backward, toeplitz_apply
-from ._native import native_unavailable_reason
+from ._native import half_precision_note, native_unavailable_reason
+from ._native import takes as _native_takes
+from .._shared.dtypes import compute_dtype
 from ...window import kernel_sides
 from ..base import Backend
 
@@ -115,6 +119,10 @@ class ToeplitzBackend(Backend):
                 ]
         return []
 
+    def explain(self, call: AttentionCall) -> str:
+        note = half_precision_note(call.query.dtype) if call.query.device.type == "cpu" else None
+        return self.summary if note is None else f"{self.summary}; {note}"
+
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return toeplitz_attention(call)
 
@@ -127,7 +135,9 @@ def toeplitz_attention(
 
     Shapes: query (B, H, Lq, D), key and value (B, H, Lk, D) on CPU -> out (B, H, Lq, D) in the dtype of
     ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf (and out 0) for a query that sees
-    no key. float16 and bfloat16 inputs run on float32 copies. ``block_q``: query rows per kernel call (tokens),
+    no key. float16 and bfloat16 inputs: the forward in half precision where the native kernel runs them
+    (:func:`~relbias.backends.toeplitz._native.runs_half`), else on float32 copies; the backward on float32 copies,
+    its gradients in the inputs' dtype. ``block_q``: query rows per kernel call (tokens),
     default :data:`BLOCK_Q`; ``tile``: rows and keys per tile of the backward with a bias gradient, default :data:`TILE`.
 
     Precision: the backward recomputes ``p = exp(s - lse)`` from the stored log-sum-exp, which float32 holds to
@@ -137,8 +147,8 @@ def toeplitz_attention(
     (the reference: NaN); it still reaches no other query.
     """
     native = call.native_bias()
-    query, key, value = _compute_inputs(call)
-    padding = _key_padding(call, query.dtype)
+    query, key, value = _compute_inputs(call, half=True)
+    padding = _key_padding(call, compute_dtype(query.dtype))
     out, lse = toeplitz_apply(query, key, value, native.values, _plan(call, block_q, tile), padding)
     return out.to(call.query.dtype), lse
 
@@ -164,11 +174,12 @@ def toeplitz_part_backward(
     return dq, dk, dv, values, dvalues
 
 
-def _compute_inputs(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _compute_inputs(call: AttentionCall, half: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """query, key, value; float16 and bfloat16 as float32 copies (a half-precision additive mask would round the
-    bias)."""
+    bias), unless ``half`` and the native forward runs them in half precision here
+    (:func:`~relbias.backends.toeplitz._native.runs_half`: the CPU's matrix units for that dtype)."""
     query, key, value = call.query, call.key, call.value
-    if query.dtype in (torch.float16, torch.bfloat16):
+    if query.dtype in (torch.float16, torch.bfloat16) and not (half and _native_takes(query)):
         query, key, value = query.float(), key.float(), value.float()
     return query, key, value
 

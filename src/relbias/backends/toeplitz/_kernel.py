@@ -37,7 +37,7 @@ def _forward_impl(
     forward (:func:`relbias.backends.toeplitz._native.forward`, tiles capped by ``block_q``) where it is built;
     else PyTorch's CPU flash kernel per block of ``block_q`` query rows. ``window_left``, ``window_right``: a
     local-attention window's sides, -1 for no bound (:func:`relbias.window.kernel_sides`; the native kernels only)."""
-    w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
+    w = reversed_bias(values, compute_dtype(query.dtype), bias_scale, is_causal, delta, key.shape[2])
     tile_q, tile_k = _toeplitz_native.forward_tiles(block_q, _band_width(is_causal, window_left, window_right))
     native = _toeplitz_native.forward(
         query, key, value, w,
@@ -51,6 +51,10 @@ def _forward_impl(
     if dropout_p > 0 or window_left >= 0 or window_right >= 0:
         raise RuntimeError("attention dropout and windows on the toeplitz backend need its native kernels, which do "
                            "not run here (the dispatcher sends such calls to blockwise)")
+    if query.dtype != w.dtype:  # half precision the native forward did not take (switched off since): float32 copies
+        out, lse = _flash_forward(query.float(), key.float(), value.float(), w, key_padding, scale, delta, is_causal,
+                                  block_q)
+        return out.to(query.dtype), lse
     return _flash_forward(query, key, value, w, key_padding, scale, delta, is_causal, block_q)
 
 
@@ -130,6 +134,9 @@ def _backward_impl(
     forms ``dS`` once for all four; its bias gradient is dropped when not wanted, about a tenth of its work). Where
     it cannot be built or ``RELBIAS_NATIVE=0`` is set: without a bias gradient, the CPU flash kernel's own backward
     per query block; with one, the native kernel's Python version (:mod:`relbias.backends.toeplitz._backward`)."""
+    half = query.dtype
+    if half != compute_dtype(half):  # half precision: the backward runs on float32 copies, its results rounded back
+        query, key, value, out = query.float(), key.float(), value.float(), out.float()
     w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
     do = grad_out.to(out.dtype)
     empty = lse == _NEG_INF
@@ -138,7 +145,7 @@ def _backward_impl(
     if not values_grad and dropout_p == 0 and _toeplitz_native.load_native() is None:
         dq, dk, dv = _kernel_backward(do, grad_lse, query, key, value, out, lse.masked_fill(empty, float("inf")),
                                       w, key_padding, scale, delta, is_causal, block_q)
-        return dq, dk, dv, values.new_empty(0)
+        return dq.to(half), dk.to(half), dv.to(half), values.new_empty(0)
     tile = _toeplitz_native.window_tile(tile, _band_width(is_causal, window_left, window_right))
     plan = {"scale": scale, "delta": delta, "is_causal": is_causal, "tile": tile, "dropout_p": dropout_p,
             "seed": seed, "query_start": query_start, "key_start": key_start, "window_left": window_left,
@@ -149,6 +156,7 @@ def _backward_impl(
     else:
         dq, dk, dv, grad_w = _toeplitz_native.backward(do, query, key, value, out, lse, grad_lse, w, plan,
                                                        key_padding=key_padding)
+    dq, dk, dv = dq.to(half), dk.to(half), dv.to(half)
     if not values_grad:
         return dq, dk, dv, values.new_empty(0)
     grad_values = grad_w.flip(-1) * bias_scale

@@ -33,14 +33,14 @@ import warnings
 import torch
 
 from .._shared.denormals import flush_denormals
+from .._shared.dtypes import compute_dtype
 from ._build import build as _build
 from ._backward import tiled_backward
 
 __all__ = [
-    "FORWARD_TILE_K", "FORWARD_TILE_Q", "backward", "forward", "forward_tiles", "load_native", "loaded_native",
-    "window_tile",
-    "native_backward", "native_forward", "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout",
-    "takes",
+    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "forward", "forward_tiles", "half_precision_note",
+    "load_native", "loaded_native", "window_tile", "native_backward", "native_forward", "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout",
+    "runs_half", "takes",
 ]
 
 #: The native forward's query rows and keys per tile (tokens), each capped by the call's ``block_q``
@@ -113,11 +113,52 @@ def loaded_native(query: torch.Tensor):
 
 
 _NATIVE_DTYPES = (torch.float32, torch.float64)
+_HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+#: The matrix units a half-precision dtype's native forward runs on, for the messages (names as ``lscpu`` shows them).
+HALF_UNITS = {torch.bfloat16: "AMX-BF16 (amx_bf16)", torch.float16: "AMX-FP16 (amx_fp16)"}
+_half_answers: dict[torch.dtype, bool] = {}  # dtype -> the built module's half_precision answer
 
 
 def takes(query: torch.Tensor) -> bool:
-    """Whether the native kernels take a call on ``query``'s dtype and device: CPU float32 / float64."""
-    return query.is_cpu and query.dtype in _NATIVE_DTYPES  # is_cpu: a decoding step's check, without a device object
+    """Whether the native forward takes a call on ``query``'s dtype and device: CPU float32 / float64, and bfloat16 /
+    float16 where :func:`runs_half` (the backward takes float32 / float64 only)."""
+    if not query.is_cpu:  # is_cpu: a decoding step's check, without a device object
+        return False
+    dtype = query.dtype
+    return dtype in _NATIVE_DTYPES or (dtype in _HALF_NAMES and runs_half(dtype))
+
+
+@torch.compiler.assume_constant_result  # asked once when traced, as native_unavailable_reason
+def runs_half(dtype: torch.dtype) -> bool:
+    """Whether the native forward runs ``dtype`` (``torch.bfloat16`` or ``torch.float16``) in half precision here:
+    the kernels are built and not opted out of, libtorch exports the half-precision GEMM (MKL's
+    ``cblas_gemm_bf16bf16f32`` / ``cblas_gemm_f16f16f32``), and the CPU has the matrix units for it as oneDNN sees
+    them (:data:`HALF_UNITS`: ATen's ``cpublas::could_pack``, as its CPU flash attention decides; lowered by
+    ``ONEDNN_MAX_CPU_ISA`` and ``torch.backends.mkldnn``). Elsewhere half-precision inputs run on float32 copies:
+    without those units a half-precision GEMM is no faster than float32's, and slower on AVX2. False for any other
+    dtype; the first call builds the kernels."""
+    name = _HALF_NAMES.get(dtype)
+    if name is None or load_native() is None:
+        return False
+    answer = _half_answers.get(dtype)
+    if answer is None:
+        answer = _half_answers[dtype] = bool(_loaded["module"].half_precision(name))
+    return answer
+
+
+def half_precision_note(dtype: torch.dtype) -> str | None:
+    """For ``dtype`` bfloat16 or float16, a sentence saying whether the native forward runs it in half precision
+    here and on what (the matrix units, or float32 copies and why); None for other dtypes."""
+    if dtype not in _HALF_NAMES:
+        return None
+    units = HALF_UNITS[dtype]
+    if runs_half(dtype):
+        return f"{_HALF_NAMES[dtype]} runs in half precision on the CPU's {units} tiles (float32 softmax and bias)"
+    why = native_unavailable_reason()
+    if why is None:
+        why = (f"oneDNN finds no {units} on this CPU (ATen's CPU capability {torch.backends.cpu.get_cpu_capability()})"
+               f" or libtorch exports no half-precision GEMM")
+    return f"{_HALF_NAMES[dtype]} runs on float32 copies: {why}"
 
 
 def _module(what: str):
@@ -214,14 +255,18 @@ def window_tile(tile: int, width: int | None) -> int:
 def forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, w: torch.Tensor,
             plan: dict, *, key_padding: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(out, lse) of the toeplitz attention by the native kernel, or None where it does not run (not CPU float32 /
-    float64, an empty length, ``RELBIAS_NATIVE=0``, or a failed build: that warns once); the caller then runs the
-    CPU flash kernel per query block.
+    float64 or a half precision :func:`runs_half` takes, an empty length, ``RELBIAS_NATIVE=0``, or a failed build:
+    that warns once); the caller then runs the CPU flash kernel per query block.
 
     Shapes: ``query`` (B, H, Lq, D), ``key`` (B, H, Lk, D), ``value`` (B, H, Lk, Dv), one dtype, any strides
-    (read in place where :func:`rows_layout` allows, else copied); ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed scaled bias (-inf at a causal
-    call's future offsets). ``plan``: scale, delta, is_causal, tile_q, tile_k (query rows and keys per tile).
-    ``key_padding``: as :func:`backward`'s; a key tile whose keys are all padded is skipped. Returns contiguous out (B, H, Lq, Dv) in the inputs' dtype and lse (B, H, Lq) in that dtype, -inf (out 0) for
-    a query that sees no key. Source: FlashAttention-2 forward (Dao 2023, Alg. 1).
+    (read in place where :func:`rows_layout` allows, else copied); ``w`` (Hb, Lq + Lk - 1), Hb 1 or H, the reversed
+    scaled bias (-inf at a causal call's future offsets), read in the inputs' accumulation dtype (float32 for
+    bfloat16 and float16: the bias is never rounded to half precision). ``plan``: scale, delta, is_causal, tile_q,
+    tile_k (query rows and keys per tile). ``key_padding``: as :func:`backward`'s; a key tile whose keys are all
+    padded is skipped. Returns contiguous out (B, H, Lq, Dv) in the inputs' dtype and lse (B, H, Lq) in their
+    accumulation dtype, -inf (out 0) for a query that sees no key. Half precision: ``q kᵀ`` and ``P v`` on
+    half-precision operands (P rounded, as ATen's CPU flash attention does) with float32 accumulation; scores,
+    softmax, dropout and the output accumulator in float32. Source: FlashAttention-2 forward (Dao 2023, Alg. 1).
     """
     if key.dtype != query.dtype or value.dtype != query.dtype or query.shape[2] == 0 or key.shape[2] == 0:
         return None
@@ -235,10 +280,11 @@ def native_forward(query, key, value, w, plan, *, blas: bool = True, key_padding
     dropout settings ``plan`` may hold as in :func:`native_backward`."""
     module = _module("forward")
     dtype = query.dtype
+    acc = compute_dtype(dtype)
     q, k, v = (rows_layout(t.to(dtype)) for t in (query, key, value))
     out, lse = module.toeplitz_forward(
-        q, k, v, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]), bool(plan["is_causal"]),
-        int(plan["tile_q"]), int(plan["tile_k"]), blas, _padding(key_padding, dtype), *_dropout(plan),
+        q, k, v, w.to(acc).contiguous(), float(plan["scale"]), int(plan["delta"]), bool(plan["is_causal"]),
+        int(plan["tile_q"]), int(plan["tile_k"]), blas, _padding(key_padding, acc), *_dropout(plan),
         *_window(plan),
     )
     return out, lse

@@ -32,6 +32,7 @@
 #include "toeplitz_common.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 
 #include <cmath>
 #include <cstdint>
@@ -278,6 +279,18 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
 
 bool has_blas() { return sgemm_ != nullptr && dgemm_ != nullptr; }
 
+// Whether the forward runs inputs of this dtype ("bfloat16" or "float16") in half precision on this machine: the
+// exported GEMM for it (have_blas) and the CPU's matrix units for it as oneDNN sees them (AMX-BF16, AMX-FP16: ATen's
+// cpublas::could_pack, which ONEDNN_MAX_CPU_ISA and torch.backends.mkldnn's switch lower), as ATen's own CPU flash
+// attention packs for them. Elsewhere a half-precision GEMM is no faster than float32's (without AMX) or much
+// slower (AVX2: converted in software), and the caller runs float32 copies.
+bool half_precision(const std::string& dtype) {
+  TORCH_CHECK(dtype == "bfloat16" || dtype == "float16", "half_precision: 'bfloat16' or 'float16', got '", dtype,
+              "'");
+  const at::ScalarType type = dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  return have_blas(type) && at::native::cpublas::could_pack(type);
+}
+
 void bind_repeat(pybind11::module_& m);  // toeplitz_repeat.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -294,6 +307,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("window_left") = -1, py::arg("window_right") = -1, py::call_guard<py::gil_scoped_release>());
   bind_repeat(m);
   m.def("has_blas", &has_blas, "whether libtorch exports sgemm_ and dgemm_ (else GEMMs go through at::addmm_out)");
+  m.def("half_precision", &half_precision, "whether the forward runs this half-precision dtype natively here",
+        py::arg("dtype"));
 #ifdef RELBIAS_SOURCE_DIGEST  // an ahead-of-time build (setup.py): the digest of the sources it was built from
 #define RELBIAS_STRINGIFY_(x) #x
 #define RELBIAS_STRINGIFY(x) RELBIAS_STRINGIFY_(x)

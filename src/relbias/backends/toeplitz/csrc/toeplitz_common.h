@@ -3,9 +3,13 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/OpMathType.h>
 
 #if defined(__SSE__) || defined(_M_X64)
 #include <xmmintrin.h>
+#endif
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -21,6 +25,13 @@ void sgemm_(const char*, const char*, const int*, const int*, const int*, const 
             const float*, const int*, const float*, float*, const int*) __attribute__((weak));
 void dgemm_(const char*, const char*, const int*, const int*, const int*, const double*, const double*, const int*,
             const double*, const int*, const double*, double*, const int*) __attribute__((weak));
+// MKL's half-precision GEMMs with float32 accumulation and output (CBLAS: layout 101 row-major, transposes 111 no,
+// 112 yes; MKL_BF16 and MKL_F16 are 16-bit integers holding the bits); weak, as above. On a CPU with AMX they run on
+// its tiles.
+void cblas_gemm_bf16bf16f32(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                            float*, int) __attribute__((weak));
+void cblas_gemm_f16f16f32(int, int, int, int, int, int, float, const uint16_t*, int, const uint16_t*, int, float,
+                          float*, int) __attribute__((weak));
 }
 
 namespace relbias_toeplitz {
@@ -91,6 +102,25 @@ inline double exp_clamped(double x) {
   return p * bits_to<double>(e);
 }
 
+// exp(x) for float32 x already clamped to [-87, 88] to the accuracy a half-precision result needs: as exp_clamped
+// with a Taylor polynomial of degree 5 (relative error < 3e-6, against bfloat16's 2^-9 and float16's 2^-11 rounding).
+// Two fused multiply-adds fewer per value, for the half-precision kernels' probabilities.
+inline float exp_clamped_coarse(float x) {
+  const float shifter = 12582912.0f;  // 1.5 * 2^23
+  float t = x * 1.44269504088896341f + shifter;
+  float n = t - shifter;
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  return p * bits_to<float>(e);
+}
+
 template <typename T> constexpr T exp_ceiling() { return sizeof(T) == 4 ? T(88) : T(709); }
 
 // Denormals flushed to zero (and read as zero) on the calling thread while this lives, then the thread's own mode
@@ -129,39 +159,110 @@ class FlushDenormals {
 #endif
 };
 
-// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(A) (m x k), op(B) (k x n). beta 0: C is not read.
-template <typename T>
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const T* a, int64_t lda,
-          const T* b, int64_t ldb, T beta, T* c, int64_t ldc, bool blas) {
+// The dtype a kernel on In elements computes in: In itself for float and double, float for bfloat16 and float16
+// (scores, softmax statistics, bias, output accumulator; ATen's opmath type).
+template <typename In>
+using acc_t = at::opmath_type<In>;
+
+template <typename In>
+constexpr bool is_half() { return !std::is_same<In, acc_t<In>>::value; }
+
+// Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(A) (m x k), op(B) (k x n), A and B of In, C of T (In's
+// accumulation type: float for bfloat16 and float16, exact products summed in float32). beta 0: C is not read. blas:
+// the exported BLAS (MKL's sgemm_, dgemm_, cblas_gemm_bf16bf16f32, cblas_gemm_f16f16f32) where present, else
+// at::addmm_out (float32 and float64; the half-precision kernels run only where have_blas says the GEMM is there).
+template <typename In, typename T>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, T alpha, const In* a, int64_t lda,
+          const In* b, int64_t ldb, T beta, T* c, int64_t ldc, bool blas) {
+  static_assert(std::is_same<T, acc_t<In>>::value, "C holds A's and B's accumulation type");
   if (m == 0 || n == 0) return;
   if (k == 0) {  // nothing to multiply: C = beta C
     for (int64_t i = 0; i < m; ++i)
       for (int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == T(0) ? T(0) : beta * c[i * ldc + j];
     return;
   }
-  if (blas) {
-    // Column-major view: C^T (n x m) = op(B)^T op(A)^T, B^T's column-major storage being B's row-major one.
-    const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
-    const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
-    const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
-    if constexpr (std::is_same<T, float>::value) {
-      sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
-    } else {
-      dgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
-    }
+  if constexpr (is_half<In>()) {
+    auto* const fn = std::is_same<In, at::BFloat16>::value ? cblas_gemm_bf16bf16f32 : cblas_gemm_f16f16f32;
+    TORCH_CHECK(fn != nullptr, "relbias: this libtorch exports no half-precision GEMM (MKL's cblas_gemm_*16*16f32)");
+    fn(101, trans_a ? 112 : 111, trans_b ? 112 : 111, static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+       alpha, reinterpret_cast<const uint16_t*>(a), static_cast<int>(lda), reinterpret_cast<const uint16_t*>(b),
+       static_cast<int>(ldb), beta, c, static_cast<int>(ldc));
     return;
+  } else {
+    if (blas) {
+      // Column-major view: C^T (n x m) = op(B)^T op(A)^T, B^T's column-major storage being B's row-major one.
+      const char ta = trans_b ? 'T' : 'N', tb = trans_a ? 'T' : 'N';
+      const int M = static_cast<int>(n), N = static_cast<int>(m), K = static_cast<int>(k);
+      const int LDA = static_cast<int>(ldb), LDB = static_cast<int>(lda), LDC = static_cast<int>(ldc);
+      if constexpr (std::is_same<T, float>::value) {
+        sgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+      } else {
+        dgemm_(&ta, &tb, &M, &N, &K, &alpha, b, &LDA, a, &LDB, &beta, c, &LDC);
+      }
+      return;
+    }
+    auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
+    auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
+      at::Tensor t = at::from_blob(const_cast<T*>(p), {trans ? cols : rows, trans ? rows : cols}, {ld, 1}, options);
+      return trans ? t.t() : t;
+    };
+    at::Tensor ct = at::from_blob(c, {m, n}, {ldc, 1}, options);
+    at::addmm_out(ct, ct, view(a, m, k, lda, trans_a), view(b, k, n, ldb, trans_b), beta, alpha);
   }
-  auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
-  auto view = [&](const T* p, int64_t rows, int64_t cols, int64_t ld, bool trans) {
-    at::Tensor t = at::from_blob(const_cast<T*>(p), {trans ? cols : rows, trans ? rows : cols}, {ld, 1}, options);
-    return trans ? t.t() : t;
-  };
-  at::Tensor ct = at::from_blob(c, {m, n}, {ldc, 1}, options);
-  at::addmm_out(ct, ct, view(a, m, k, lda, trans_a), view(b, k, n, ldb, trans_b), beta, alpha);
 }
 
-// Whether the exported BLAS has the GEMM for this dtype.
-inline bool have_blas(at::ScalarType dtype) { return dtype == at::kFloat ? sgemm_ != nullptr : dgemm_ != nullptr; }
+// Whether the exported BLAS has the GEMM for this input dtype.
+inline bool have_blas(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return sgemm_ != nullptr;
+    case at::kDouble: return dgemm_ != nullptr;
+    case at::kBFloat16: return cblas_gemm_bf16bf16f32 != nullptr;
+    case at::kHalf: return cblas_gemm_f16f16f32 != nullptr;
+    default: return false;
+  }
+}
+
+// The bfloat16 bits of x rounded to nearest even (torch's conversion; NaN to a quiet NaN): the upper half of the
+// float32 bits after adding the rounding bias, a select for NaN; branch-free integer arithmetic, so that GCC vectorises
+// a loop of it.
+inline uint16_t bf16_bits(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+}
+
+// dst[j] = src[j] rounded to In, j < n (round to nearest even, as torch's own conversions): bfloat16 by bf16_bits,
+// in GCC vector extensions of the target's register width (as a plain loop GCC kept it scalar), float16 by c10's
+// conversion, float and double copied.
+template <typename In, typename T>
+inline void round_to(const T* __restrict__ src, In* __restrict__ dst, int64_t n) {
+  if constexpr (std::is_same<In, at::BFloat16>::value) {
+    constexpr int kLanes = kVectorBytes / sizeof(float);
+    typedef uint32_t Bits __attribute__((vector_size(kVectorBytes)));
+    typedef uint16_t Half __attribute__((vector_size(kVectorBytes / 2)));
+    uint16_t* __restrict__ out = reinterpret_cast<uint16_t*>(dst);
+    int64_t j = 0;
+#if defined(__AVX512BF16__)
+    // the CPU's own conversion (VCVTNEPS2BF16: the same rounding; denormal inputs read as 0, as the kernels' flushed
+    // arithmetic reads them)
+    for (; j + 16 <= n; j += 16) {
+      const __m256bh half = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + j));
+      std::memcpy(out + j, &half, sizeof(half));
+    }
+#endif
+    for (; j + kLanes <= n; j += kLanes) {
+      Bits bits;
+      std::memcpy(&bits, src + j, sizeof(bits));
+      const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+      const Half half = __builtin_convertvector((bits & 0x7FFFFFFFu) > 0x7F800000u ? Bits{} + 0x7FC0u : rounded, Half);
+      std::memcpy(out + j, &half, sizeof(half));
+    }
+    for (; j < n; ++j) out[j] = bf16_bits(src[j]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<In>(src[j]);
+  }
+}
 
 // The strides the kernels read a tensor with: kContiguous (the backward's w), kRows (a (B, H, L, D) input: unit stride
 // along D, rows at least D apart, any batch and head strides), kUnitLast (the forward's w: unit stride along its last
@@ -208,17 +309,25 @@ struct Entries {
   T operator()(int64_t bh, int64_t i) const { return p[(bh / heads) * s0 + (bh % heads) * s1 + i * s2]; }
 };
 
+// The accumulation dtype of an input dtype (acc_t's): float for bfloat16 and float16, else the dtype itself.
+inline at::ScalarType acc_dtype(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 || dtype == at::kHalf ? at::kFloat : dtype;
+}
+
 // The checks both entry points (fn, for the messages) make of q (B, H, Lq, D), k (B, H, Lk, D), v (B, H, Lk, Dv)
-// and w (1 or H, Lq + Lk - 1): one dtype, float32 or float64, CPU, q, k, v in the kRows layout and w contiguous, shapes
-// that agree. Returns the dtype.
+// and w (1 or H, Lq + Lk - 1): q, k, v of one dtype, float32 or float64 (half_ok: also bfloat16 or float16), w of its
+// accumulation dtype (acc_dtype), CPU, q, k, v in the kRows layout and w contiguous, shapes that agree. Returns the
+// dtype of q.
 inline at::ScalarType check_qkvw(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
-                                 const char* fn, Layout w_layout = Layout::kContiguous) {
+                                 const char* fn, Layout w_layout = Layout::kContiguous, bool half_ok = false) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, fn, ": float32 or float64, got ", dtype);
+  const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || (half_ok && half), fn,
+              half_ok ? ": float32, float64, bfloat16 or float16, got " : ": float32 or float64, got ", dtype);
   check(q, "query", dtype, 4, Layout::kRows);
   check(k, "key", dtype, 4, Layout::kRows);
   check(v, "value", dtype, 4, Layout::kRows);
-  check(w, "w", dtype, 2, w_layout);
+  check(w, "w", acc_dtype(dtype), 2, w_layout);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && v.size(0) == B && v.size(1) == H && v.size(2) == Lk &&
                   k.size(3) == q.size(3), fn, ": query, key, value shapes disagree");

@@ -116,28 +116,40 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
   return mx;
 }
 
-// exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises).
-template <typename T>
+// exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises); Coarse: exp_clamped_coarse
+// (float only: half-precision probabilities).
+template <bool Coarse = false, typename T>
 inline T exp_term(T s, T m, T floor) {
   const T x = s - m;
   const T keep = x < floor ? T(0) : T(1);
-  return exp_clamped(x < floor ? floor : x) * keep;
+  const T clamped = x < floor ? floor : x;
+  if constexpr (Coarse) {
+    return exp_clamped_coarse(clamped) * keep;
+  } else {
+    return exp_clamped(clamped) * keep;
+  }
 }
 
-// srow[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87; returns their sum (lanes, then the tail). 64
-// bytes of lanes whatever the target's width (AVX2 runs them as two registers): the same order of summation on
-// every ISA.
-template <typename T>
-T exp_sum(T* __restrict__ srow, T m, int64_t n) {
+// P[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87, into srow itself (prow nullptr) or, rounded to Out
+// (round_to) from exp_clamped_coarse (half precision needs no more), into prow; returns their sum in T (lanes, then the tail). 64 bytes of lanes whatever the target's width
+// (AVX2 runs them as two registers): the same order of summation on every ISA.
+template <typename T, typename Out = T>
+T exp_sum(T* __restrict__ srow, T m, int64_t n, Out* __restrict__ prow = nullptr) {
+  constexpr bool kInPlace = std::is_same<Out, T>::value;
   constexpr int kLanes = 64 / sizeof(T);
   const T floor = static_cast<T>(kExpFloor);
   T part[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
+    T p[kLanes];
     for (int l = 0; l < kLanes; ++l) {
-      const T p = exp_term(srow[j + l], m, floor);
-      srow[j + l] = p;
-      part[l] += p;
+      p[l] = exp_term<!kInPlace>(srow[j + l], m, floor);
+      part[l] += p[l];
+    }
+    if constexpr (kInPlace) {
+      std::memcpy(srow + j, p, sizeof(p));
+    } else {
+      round_to(p, prow + j, kLanes);
     }
   }
   T sum = 0;
@@ -145,9 +157,13 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
     sum = halve_lanes<kLanes / 2>(part, [](T a, T x) { return a + x; });
   }
   for (; j < n; ++j) {
-    const T p = exp_term(srow[j], m, floor);
-    srow[j] = p;
+    T p = exp_term<!kInPlace>(srow[j], m, floor);
     sum += p;
+    if constexpr (kInPlace) {
+      srow[j] = p;
+    } else {
+      round_to(&p, prow + j, 1);
+    }
   }
   return sum;
 }
@@ -156,11 +172,15 @@ T exp_sum(T* __restrict__ srow, T m, int64_t n) {
 // read as bits (an integer OR reduction, which vectorises without -ffast-math), the lanes reduced once at the end.
 template <typename T>
 bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
-  using Bits = typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type;
+  using Bits = typename std::conditional<sizeof(T) == 2, uint16_t,
+                                         typename std::conditional<sizeof(T) == 4, uint32_t, uint64_t>::type>::type;
   constexpr int kLanes = kVectorBytes / sizeof(T);
   typedef Bits Vec __attribute__((vector_size(kVectorBytes)));
   typedef decltype(Vec{} == Vec{}) Mask;  // the signed lanes of a vector comparison
-  const Bits exponent = sizeof(T) == 4 ? Bits(0x7F800000u) : Bits(0x7FF0000000000000ull);
+  const Bits exponent = std::is_same<T, at::BFloat16>::value ? Bits(0x7F80u)
+                        : std::is_same<T, at::Half>::value   ? Bits(0x7C00u)
+                        : sizeof(T) == 4                     ? Bits(0x7F800000u)
+                                                             : Bits(0x7FF0000000000000ull);
   const Vec exponents = Vec{} + exponent;
   Mask bad = {};
   bool any = false;
@@ -188,9 +208,9 @@ bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
 // the rows that see it, as without the band. The keys hidden from some row of the tile are those before the last
 // row's first key or from the first row's end on (both ends move forward with the row); checking them reads
 // O(bk Dv) values against the GEMM's O(bq bk Dv) work, and none at all in a tile every row sees whole.
-template <typename T>
-void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const T* P,
-                int64_t tile_k, const T* vt, int64_t v_ld, int64_t Dv, T beta, T* ob, bool blas) {
+template <typename In, typename T>
+void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const In* P,
+                int64_t tile_k, const In* vt, int64_t v_ld, int64_t Dv, T beta, T* ob, bool blas) {
   const int64_t bq = i1 - i0;
   int64_t first_beg, first_end, last_beg, last_end;
   band.row(i0, Lk, k0, bk, first_beg, first_end);
@@ -199,22 +219,27 @@ void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0
                                             : rows_finite(vt, v_ld, 0, last_beg, Dv) &&
                                                   rows_finite(vt, v_ld, first_end, bk, Dv);
   if (finite) {
-    gemm<T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, beta, ob, Dv, blas);
+    gemm<In, T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, beta, ob, Dv, blas);
     return;
   }
   for (int64_t a = 0; a < bq; ++a) {
     int64_t jbeg, jend;
     band.row(i0 + a, Lk, k0, bk, jbeg, jend);
-    gemm<T>(false, false, 1, Dv, jend - jbeg, T(1), P + a * tile_k + jbeg, tile_k, vt + jbeg * v_ld, v_ld, beta,
+    gemm<In, T>(false, false, 1, Dv, jend - jbeg, T(1), P + a * tile_k + jbeg, tile_k, vt + jbeg * v_ld, v_ld, beta,
             ob + a * Dv, Dv, blas);
   }
 }
 
-template <typename T>
+// In: the element type of q, k, v and out (float, double, bfloat16, float16); T = acc_t<In>: of w, the key padding,
+// lse, the scores and the softmax statistics. For a half-precision In, P is rounded to In for the P v GEMM (as ATen's
+// CPU flash attention does) and O accumulates in a float32 tile, written to out once normalised.
+template <typename In>
 void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
                     const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout, double scale_d,
                     const Band& band, int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out,
                     at::Tensor& lse) {
+  using T = acc_t<In>;
+  constexpr bool kHalf = is_half<In>();
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
   const int64_t Lk = k.size(2), Dv = v.size(3);
   const int64_t Hb = w.size(0), w_ld = w.stride(0);
@@ -226,11 +251,11 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const T keep_scale = static_cast<T>(dropout.keep_scale);
   constexpr int64_t kWholeSlack = 64 / sizeof(T);  // hidden keys a row may run through (exp_sum's lanes)
 
-  const Rows<T> q_rows(q), k_rows(k), v_rows(v);
+  const Rows<In> q_rows(q), k_rows(k), v_rows(v);
   const KeyPadding<T> pad_rows(kpad, H);
   const int64_t q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld;
   const T* w_p = w.data_ptr<T>();
-  T* o_p = out.data_ptr<T>();
+  In* o_p = out.data_ptr<In>();
   T* lse_p = lse.data_ptr<T>();
 
   std::atomic<int64_t> next{0};
@@ -241,6 +266,9 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     std::vector<T> s_buf(tile_q * tile_k + kAlign), m_buf(tile_q), l_buf(tile_q);
     // scores, then P
     T* S = s_buf.data() + (kAlign - (reinterpret_cast<std::uintptr_t>(s_buf.data()) / sizeof(T)) % kAlign) % kAlign;
+    // half precision: P rounded to In, and the output tile's float32 accumulator (else P is S and O is out's rows)
+    std::vector<In> p_buf(kHalf ? tile_q * tile_k : 0);
+    std::vector<T> acc_buf(kHalf ? tile_q * Dv : 0);
     T* row_m = m_buf.data();
     T* row_l = l_buf.data();
     for (int64_t task = next.fetch_add(1); task < n_tasks; task = next.fetch_add(1)) {
@@ -249,11 +277,20 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       const int64_t i0 = qt * tile_q, i1 = std::min(Lq, i0 + tile_q), bq = i1 - i0;
       const int64_t hb = Hb == 1 ? 0 : bh % H;
       const T* wr = w_p + hb * w_ld;
-      const T* qb = q_rows(bh) + i0 * q_ld;
-      const T* kb = k_rows(bh);
-      const T* vb = v_rows(bh);
+      const In* qb = q_rows(bh) + i0 * q_ld;
+      const In* kb = k_rows(bh);
+      const In* vb = v_rows(bh);
       const T* pad = pad_rows(bh);  // nullptr without a key padding mask
-      T* ob = o_p + (bh * Lq + i0) * Dv;  // the tile's output rows: O, unnormalised until the end
+      In* ob = o_p + (bh * Lq + i0) * Dv;  // the tile's output rows
+      T* acc;  // O, unnormalised until the end: out's rows themselves, or a float32 tile for a half-precision In
+      const In* P;  // P as the P v GEMM reads it
+      if constexpr (kHalf) {
+        acc = acc_buf.data();
+        P = p_buf.data();
+      } else {
+        acc = ob;
+        P = S;
+      }
       T* lb = lse_p + bh * Lq + i0;
       std::fill(row_m, row_m + bq, neg_inf);
       std::fill(row_l, row_l + bq, T(0));
@@ -268,7 +305,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       for (int64_t k0 = kbeg; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
         if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
-        gemm<T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, tile_k, blas);
+        gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, tile_k, blas);
         for (int64_t a = 0; a < bq; ++a) {
           const int64_t i = i0 + a;
           T* __restrict__ srow = S + a * tile_k;
@@ -289,10 +326,24 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (n == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
             std::fill(srow, srow + bk, T(0));
+            if constexpr (kHalf) std::fill(p_buf.data() + a * tile_k, p_buf.data() + a * tile_k + bk, In(0));
             continue;
           }
+          // half precision without dropout: P straight into its rounded row; else into S (dropout is applied to the
+          // float32 P, which is then rounded)
+          In* const prow_h = kHalf && !dropout.on ? p_buf.data() + a * tile_k : nullptr;
           T sum;
-          if (whole) {
+          if (prow_h != nullptr) {
+            if constexpr (kHalf) {
+              if (whole) {
+                sum = exp_sum(srow, m_new, bk, prow_h);  // P = 0 at the hidden keys (-inf)
+              } else {
+                sum = exp_sum(seen, m_new, n, prow_h + jbeg);
+                std::fill(prow_h, prow_h + jbeg, In(0));
+                std::fill(prow_h + jend, prow_h + bk, In(0));
+              }
+            }
+          } else if (whole) {
             sum = exp_sum(srow, m_new, bk);  // P = 0 at the hidden keys (-inf)
           } else {
             sum = exp_sum(seen, m_new, n);
@@ -306,24 +357,28 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           if (dropout.on) {
             apply_dropout(seen, n, dropout.row(bh, i), dropout.key_base(k0 + jbeg), dropout.threshold, keep_scale);
           }
+          if constexpr (kHalf) {
+            if (prow_h == nullptr) round_to(srow, p_buf.data() + a * tile_k, bk);
+          }
           if (!fresh && alpha != T(1)) {
-            T* __restrict__ orow = ob + a * Dv;
+            T* __restrict__ orow = acc + a * Dv;
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        pv_product(band, i0, i1, Lk, k0, bk, S, tile_k, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), ob, blas);
+        pv_product(band, i0, i1, Lk, k0, bk, P, tile_k, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, blas);
         fresh = false;
       }
       for (int64_t a = 0; a < bq; ++a) {
-        T* __restrict__ orow = ob + a * Dv;
+        T* __restrict__ orow = acc + a * Dv;
         const T l = row_l[a];
         if (l == T(0)) {  // sees no key (causal or padded): out 0, lse -inf (a NaN score stays NaN)
-          std::fill(orow, orow + Dv, T(0));
+          std::fill(ob + a * Dv, ob + (a + 1) * Dv, In(0));
           lb[a] = neg_inf;
           continue;
         }
         const T inv = T(1) / l;  // one division per row: a vector division per element cost as much as a GEMM
         for (int64_t d = 0; d < Dv; ++d) orow[d] *= inv;
+        if constexpr (kHalf) round_to(orow, ob + a * Dv, Dv);
         lb[a] = row_m[a] + std::log(l);
       }
     }
@@ -348,10 +403,13 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
                                          const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
                                          int64_t query_start, int64_t key_start, int64_t window_left,
                                          int64_t window_right) {
-  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward", Layout::kUnitLast);
+  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_forward", Layout::kUnitLast, /*half_ok=*/true);
+  const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+  TORCH_CHECK(!half || have_blas(dtype), "toeplitz_forward: ", dtype, " inputs need the half-precision GEMM that "
+              "this libtorch does not export (MKL's cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32)");
   TORCH_CHECK(window_left >= -1 && window_right >= -1, "toeplitz_forward: window sides must be >= 0, or -1 (none)");
   const Band band(delta, is_causal, window_left, window_right);
-  check_kpad(kpad, q, k, dtype, "toeplitz_forward");
+  check_kpad(kpad, q, k, acc_dtype(dtype), "toeplitz_forward");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_forward: dropout_p must be in [0, 1)");
   const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Lk = k.size(2);
@@ -359,12 +417,14 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
   tile_k = std::min(tile_k, std::max<int64_t>(Lk, 1));
   const int64_t big = std::numeric_limits<int>::max();
-  blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile_k < big && q.stride(2) < big &&
-         k.stride(2) < big && v.stride(2) < big;  // BLAS takes int leading dimensions
+  const bool fits_int = q.size(3) < big && v.size(3) < big && tile_k < big && q.stride(2) < big &&
+                        k.stride(2) < big && v.stride(2) < big;  // BLAS takes int leading dimensions
+  TORCH_CHECK(!half || fits_int, "toeplitz_forward: ", dtype, " inputs need head dims and row strides below 2^31");
+  blas = blas && have_blas(dtype) && fits_int;
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options());
-  at::Tensor lse = at::empty({B, H, Lq}, q.options());
+  at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(acc_dtype(dtype)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
-  AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_forward", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "toeplitz_forward", [&] {
     forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, out, lse);
   });
   return {out, lse};
