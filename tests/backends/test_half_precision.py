@@ -222,3 +222,30 @@ def test_bfloat16_decoding_reads_the_cache_in_place(lk):
         expected = _reference(q, k, v, bias, is_causal=True)
         sdpa = _sdpa_materialised(q, k, v, bias, is_causal=True)
     _flash_rule(out, sdpa, expected)
+
+
+@native
+@amx_bf16
+@pytest.mark.parametrize("case", ["causal", "right_padding"])
+def test_bfloat16_kernel_keeps_nan_values_to_the_queries_that_see_them(case):
+    """The half-precision kernel (packed operands) keeps a NaN value to the queries that see its key, as the float32
+    one does (the dispatcher sends such calls elsewhere; decode relies on it): a causal call's later queries; none
+    behind right padding that ends on an odd key (the packed P v product reads one key past such a tile, P 0 there)."""
+    q, k, v = _inputs(200, 200, torch.bfloat16, seed=10)
+    nan_key = 150 if case == "causal" else 101
+    v[:, :, nan_key] = float("nan")
+    causal = case == "causal"
+    values = torch.randn(1, 399, dtype=torch.float64)
+    w = reversed_bias(values, torch.float32, 1.0, causal, 0, 200)
+    padding = None if causal else torch.zeros(1, 1, 200).masked_fill(torch.arange(200) >= 101, float("-inf"))
+    plan = {"scale": D ** -0.5, "delta": 0, "is_causal": causal, "tile_q": 64, "tile_k": 128}
+    out, _ = _native.native_forward(q, k, v, w, plan, key_padding=padding)
+    clean = v.clone()
+    clean[:, :, nan_key] = 0
+    expected, _ = _native.native_forward(q.double(), k.double(), clean.double(), w.double(), plan,
+                                         key_padding=padding)
+    seen = slice(0, nan_key) if causal else slice(0, 200)
+    if causal:
+        assert out[:, :, nan_key:].isnan().all()
+    assert out[:, :, seen].isfinite().all()
+    assert (out[:, :, seen].double() - expected[:, :, seen]).abs().max().item() < 0.05

@@ -28,7 +28,7 @@ CSRC = Path(__file__).with_name("csrc")
 #: toeplitz_repeat.cpp's for ``ForwardRepeat``, a repeated decoding call's forward).
 SOURCES = ("toeplitz_backward.cpp", "toeplitz_forward.cpp", "toeplitz_repeat.cpp")
 #: Included by the sources: hashed with them, shipped with them.
-HEADERS = ("toeplitz_common.h",)
+HEADERS = ("toeplitz_common.h", "toeplitz_packed.h")
 #: Name of an ahead-of-time module: ``relbias.backends.toeplitz._native_<level>``.
 AOT_PREFIX = "_native_"
 #: Optimisation flags of every build (on first use and ahead of time), before the architecture flag.

@@ -31,6 +31,7 @@
 // worker while it runs (FlushDenormals, toeplitz_common.h).
 
 #include "toeplitz_common.h"
+#include "toeplitz_packed.h"
 
 #include <ATen/Parallel.h>
 
@@ -40,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -72,7 +74,7 @@ inline T halve_lanes(T* lanes, Op op) {
 // (unrolled vmaxss). The maximum is exact, so the width does not change the result; the lanes are halved (halve_lanes;
 // skipped where the vector loop did not run).
 template <bool Padded, bool Masked, typename T>
-T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, int64_t n,
+T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __restrict__ prow, T scale, int64_t n,
                int64_t jbeg = 0, int64_t jend = 0) {
   constexpr int kLanes = kVectorBytes / sizeof(T);
   using Int = typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::type;
@@ -93,7 +95,7 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
       std::memcpy(&c, prow + j, sizeof(Vec));
       b += c;
     }
-    x += b;
+    x = x * scale + b;
     if constexpr (Masked) {
       const IVec key = lane + static_cast<Int>(j);
       x = (key >= static_cast<Int>(jbeg)) & (key < static_cast<Int>(jend)) ? x : hidden;
@@ -108,7 +110,7 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
     mx = halve_lanes<kLanes / 2>(lanes, [](T a, T x) { return x > a || x != x ? x : a; });
   }
   for (; j < n; ++j) {
-    T x = srow[j] + (Padded ? wrow[j] + prow[j] : wrow[j]);
+    T x = srow[j] * scale + (Padded ? wrow[j] + prow[j] : wrow[j]);
     if constexpr (Masked) x = j >= jbeg && j < jend ? x : neg_inf;
     srow[j] = x;
     mx = x > mx || x != x ? x : mx;
@@ -210,23 +212,32 @@ bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
 // O(bk Dv) values against the GEMM's O(bq bk Dv) work, and none at all in a tile every row sees whole.
 template <typename In, typename T>
 void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const In* P,
-                int64_t tile_k, const In* vt, int64_t v_ld, int64_t Dv, T beta, T* ob, bool blas) {
+                int64_t tile_k, const In* vt, int64_t v_ld, int64_t Dv, T beta, T* ob, int64_t ob_ld, bool blas,
+                const PackedKV<In>* packed = nullptr, int64_t bh = 0) {
   const int64_t bq = i1 - i0;
   int64_t first_beg, first_end, last_beg, last_end;
   band.row(i0, Lk, k0, bk, first_beg, first_end);
   band.row(i1 - 1, Lk, k0, bk, last_beg, last_end);
-  const bool finite = first_end <= last_beg ? rows_finite(vt, v_ld, 0, bk, Dv)
+  // the packed product of an odd tile also reads the next key (P 0 there), which the tile's rows do not see
+  const int64_t read = packed != nullptr && bk % 2 == 1 && k0 + bk < Lk ? bk + 1 : bk;
+  const bool finite = first_end <= last_beg ? rows_finite(vt, v_ld, 0, read, Dv)
                                             : rows_finite(vt, v_ld, 0, last_beg, Dv) &&
-                                                  rows_finite(vt, v_ld, first_end, bk, Dv);
+                                                  rows_finite(vt, v_ld, first_end, read, Dv);
   if (finite) {
-    gemm<In, T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, beta, ob, Dv, blas);
+    if constexpr (is_half<In>()) {
+      if (packed != nullptr) {  // P is 0 at the pad key of an odd tile
+        packed_pv(*packed, bh, k0, round_up(bk, 2), bq, P, tile_k, beta != T(0), ob, ob_ld);
+        return;
+      }
+    }
+    gemm<In, T>(false, false, bq, Dv, bk, T(1), P, tile_k, vt, v_ld, beta, ob, ob_ld, blas);
     return;
   }
   for (int64_t a = 0; a < bq; ++a) {
     int64_t jbeg, jend;
     band.row(i0 + a, Lk, k0, bk, jbeg, jend);
     gemm<In, T>(false, false, 1, Dv, jend - jbeg, T(1), P + a * tile_k + jbeg, tile_k, vt + jbeg * v_ld, v_ld, beta,
-            ob + a * Dv, Dv, blas);
+            ob + a * ob_ld, ob_ld, blas);
   }
 }
 
@@ -236,8 +247,8 @@ void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0
 template <typename In>
 void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& w,
                     const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout, double scale_d,
-                    const Band& band, int64_t tile_q, int64_t tile_k, bool blas, at::Tensor& out,
-                    at::Tensor& lse) {
+                    const Band& band, int64_t tile_q, int64_t tile_k, bool blas, bool packed_gemms,
+                    at::Tensor& out, at::Tensor& lse) {
   using T = acc_t<In>;
   constexpr bool kHalf = is_half<In>();
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2), Dk = q.size(3);
@@ -257,18 +268,28 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   const T* w_p = w.data_ptr<T>();
   In* o_p = out.data_ptr<In>();
   T* lse_p = lse.data_ptr<T>();
+  // packed_gemms (half precision on AMX, toeplitz_packed.h): K and V packed once; key tiles then start on 64-key
+  // blocks (the keys before a tile's first visible one are hidden like any other), rows ldS apart
+  std::unique_ptr<PackedKV<In>> packed;
+  if constexpr (kHalf) {
+    if (packed_gemms) packed = std::make_unique<PackedKV<In>>(k_rows, v_rows, BH, Lk, Dk, Dv);
+  }
+  const int64_t ldS = packed ? round_up(tile_k, kPackCols) : tile_k;
+  const int64_t acc_ld = packed ? packed->nvb * kPackCols : Dv;  // the accumulator's row stride
+  const T score_scale = packed ? scale : T(1);  // brgemm has no alpha: the row pass scales
 
   std::atomic<int64_t> next{0};
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n_tasks));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals flush;  // this thread's mode, restored when the worker is done
+    const ReleaseTiles release(packed != nullptr);  // the AMX state brgemm configured, released when the worker is done
     constexpr int64_t kAlign = 64 / sizeof(T);  // S on a 64-byte boundary: the same BLAS code path every run
-    std::vector<T> s_buf(tile_q * tile_k + kAlign), m_buf(tile_q), l_buf(tile_q);
+    std::vector<T> s_buf(tile_q * ldS + kAlign), m_buf(tile_q), l_buf(tile_q);
     // scores, then P
     T* S = s_buf.data() + (kAlign - (reinterpret_cast<std::uintptr_t>(s_buf.data()) / sizeof(T)) % kAlign) % kAlign;
     // half precision: P rounded to In, and the output tile's float32 accumulator (else P is S and O is out's rows)
-    std::vector<In> p_buf(kHalf ? tile_q * tile_k : 0);
-    std::vector<T> acc_buf(kHalf ? tile_q * Dv : 0);
+    std::vector<In> p_buf(kHalf ? tile_q * ldS : 0);
+    std::vector<T> acc_buf(kHalf ? tile_q * acc_ld : 0);
     T* row_m = m_buf.data();
     T* row_l = l_buf.data();
     for (int64_t task = next.fetch_add(1); task < n_tasks; task = next.fetch_add(1)) {
@@ -295,20 +316,31 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       std::fill(row_m, row_m + bq, neg_inf);
       std::fill(row_l, row_l + bq, T(0));
       int64_t kbeg = band.begin(i0, Lk), kend = band.end(i1 - 1, Lk);  // the keys some row of the tile sees
+      const int64_t kfirst = kbeg;
       if (pad != nullptr) {  // only the kept keys' range; the row itself only where padding lies inside it
         const PadRange range = pad_range(pad, Lk);
         kbeg = std::max(kbeg, range.first);
         kend = std::min(kend, range.last);
-        if (!range.interior) pad = nullptr;
+        // (packed: padded keys before kbeg in its 64-key block are read too, hidden by the row)
+        if (!range.interior && !(packed && kbeg % kPackCols != 0 && kbeg > kfirst)) pad = nullptr;
       }
+      if (packed) kbeg -= kbeg % kPackCols;
       bool fresh = true;  // O holds nothing yet: the first P v product writes it (beta 0), unscaled
       for (int64_t k0 = kbeg; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
         if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
-        gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, tile_k, blas);
+        if constexpr (kHalf) {
+          if (packed) {
+            packed_scores(*packed, bh, k0 / kPackCols, (bk + kPackCols - 1) / kPackCols, bq, qb, q_ld, S, ldS);
+          } else {
+            gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, ldS, blas);
+          }
+        } else {
+          gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, ldS, blas);
+        }
         for (int64_t a = 0; a < bq; ++a) {
           const int64_t i = i0 + a;
-          T* __restrict__ srow = S + a * tile_k;
+          T* __restrict__ srow = S + a * ldS;
           int64_t jbeg, jend;  // keys k0 + j, jbeg <= j < jend, are visible to query i
           band.row(i, Lk, k0, bk, jbeg, jend);
           const int64_t n = jend - jbeg;
@@ -318,20 +350,20 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           // a row that hides some keys, fewer than one 64-byte vector holds, runs its whole tile in vectors (hidden
           // keys -inf), else its visible keys only (no work for the keys it cannot see)
           const bool whole = n > 0 && n < bk && bk - n < kWholeSlack;
-          const T mx = whole ? (pad == nullptr ? add_bias_max<false, true>(srow, wrow, prow, bk, jbeg, jend)
-                                               : add_bias_max<true, true>(srow, wrow, prow, bk, jbeg, jend))
-                             : (pad == nullptr ? add_bias_max<false, false>(seen, wrow + jbeg, prow, n)
-                                               : add_bias_max<true, false>(seen, wrow + jbeg, prow + jbeg, n));
+          const T mx = whole ? (pad == nullptr ? add_bias_max<false, true>(srow, wrow, prow, score_scale, bk, jbeg, jend)
+                                               : add_bias_max<true, true>(srow, wrow, prow, score_scale, bk, jbeg, jend))
+                             : (pad == nullptr ? add_bias_max<false, false>(seen, wrow + jbeg, prow, score_scale, n)
+                                               : add_bias_max<true, false>(seen, wrow + jbeg, prow + jbeg, score_scale, n));
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (n == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
             std::fill(srow, srow + bk, T(0));
-            if constexpr (kHalf) std::fill(p_buf.data() + a * tile_k, p_buf.data() + a * tile_k + bk, In(0));
+            if constexpr (kHalf) std::fill(p_buf.data() + a * ldS, p_buf.data() + a * ldS + (packed ? round_up(bk, 2) : bk), In(0));
             continue;
           }
           // half precision without dropout: P straight into its rounded row; else into S (dropout is applied to the
           // float32 P, which is then rounded)
-          In* const prow_h = kHalf && !dropout.on ? p_buf.data() + a * tile_k : nullptr;
+          In* const prow_h = kHalf && !dropout.on ? p_buf.data() + a * ldS : nullptr;
           T sum;
           if (prow_h != nullptr) {
             if constexpr (kHalf) {
@@ -358,18 +390,21 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             apply_dropout(seen, n, dropout.row(bh, i), dropout.key_base(k0 + jbeg), dropout.threshold, keep_scale);
           }
           if constexpr (kHalf) {
-            if (prow_h == nullptr) round_to(srow, p_buf.data() + a * tile_k, bk);
+            In* const ph = p_buf.data() + a * ldS;
+            if (prow_h == nullptr) round_to(srow, ph, bk);
+            if (packed && bk % 2 == 1) ph[bk] = In(0);  // the packed P v product's pad key
           }
           if (!fresh && alpha != T(1)) {
-            T* __restrict__ orow = acc + a * Dv;
+            T* __restrict__ orow = acc + a * acc_ld;
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        pv_product(band, i0, i1, Lk, k0, bk, P, tile_k, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, blas);
+        pv_product(band, i0, i1, Lk, k0, bk, P, ldS, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, acc_ld, blas,
+                   packed.get(), bh);
         fresh = false;
       }
       for (int64_t a = 0; a < bq; ++a) {
-        T* __restrict__ orow = acc + a * Dv;
+        T* __restrict__ orow = acc + a * acc_ld;
         const T l = row_l[a];
         if (l == T(0)) {  // sees no key (causal or padded): out 0, lse -inf (a NaN score stays NaN)
           std::fill(ob + a * Dv, ob + (a + 1) * Dv, In(0));
@@ -424,8 +459,12 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options());
   at::Tensor lse = at::empty({B, H, Lq}, q.options().dtype(acc_dtype(dtype)));
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
+  // half precision on the CPU's matrix units with enough query rows to repay packing K and V (a decoding step's
+  // few rows run MKL's GEMM on them as they are): brgemm on packed operands (toeplitz_packed.h)
+  const bool packed = half && Lq >= kPackCols && q.size(3) % 2 == 0 && (tile_k % kPackCols == 0 || tile_k >= Lk) &&
+                      at::native::cpublas::could_pack(dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "toeplitz_forward", [&] {
-    forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, out, lse);
+    forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, packed, out, lse);
   });
   return {out, lse};
 }
