@@ -14,7 +14,7 @@ that picks its code at run time:
 
 Each (level, family) is one ``relbias bench`` run (:mod:`relbias.benchmark`: warm-up, interleaved repeats, minimum
 and median) in its own process: forward at ``--n-fwd`` and forward+backward at ``--n-fwdbwd`` tokens, causal and
-bidirectional, B=1 H=8 D=64 float32, ``--threads`` threads; the kernels for each level are built (or loaded from
+bidirectional, B=1 H=8 D=64 ``--dtype`` (default float32), ``--threads`` threads; the kernels for each level are built (or loaded from
 the cache) before its first timed run. Printed: toeplitz's time as a ratio to SDPA's in the same run (minimum /
 median), marked ``!`` above the target (forward 1.15x, forward+backward 1.25x), and the load average before and
 after. The emulated levels stand for CPUs of those levels only as far as their code goes: caches, clocks and the
@@ -24,6 +24,7 @@ Usage::
 
     python benchmarks/bench_isa.py                                  # native and avx2, every offset-only family
     python benchmarks/bench_isa.py --isas avx2 --families t5 alibi --n-fwd 4096 --n-fwdbwd 2048
+    python benchmarks/bench_isa.py --dtype bfloat16                 # against bias-free SDPA in bfloat16
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def measure(isa: str, family: str, mode: str, n: int, args: argparse.Namespace) 
         out = os.path.join(folder, "rows.json")
         done = _run(isa, [sys.executable, str(_BENCH), "--family", family, "--n", str(n), "--mode", mode,
                           "--methods", "sdpa", "toeplitz", "--no-memory", "--repeats", str(args.repeats),
-                          "--threads", str(args.threads), "--json", out])
+                          "--threads", str(args.threads), "--dtype", args.dtype, "--json", out])
         if done.returncode != 0 or not os.path.exists(out):
             return {"error": (done.stderr or done.stdout).strip()[-300:]}
         with open(out) as handle:
@@ -85,9 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--n-fwdbwd", type=int, default=4096, help="tokens of the forward+backward calls")
     parser.add_argument("--repeats", type=int, default=3, help="fewest timed calls per method")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="inputs' dtype (SDPA runs the same)")
     args = parser.parse_args(argv)
 
-    print(f"load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    print(f"{args.dtype}; load average before: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     header = (f"{'level':7s} {'family':13s} {'fwd ' + str(args.n_fwd) + ' causal':>17s} {'bidi':>13s} "
               f"{'fwd+bwd ' + str(args.n_fwdbwd) + ' causal':>21s} {'bidi':>13s}")
     print("toeplitz / sdpa, minimum / median of interleaved repeats ('!': above the target)")

@@ -226,18 +226,23 @@ def test_bfloat16_decoding_reads_the_cache_in_place(lk):
 
 @native
 @amx_bf16
-@pytest.mark.parametrize("case", ["causal", "right_padding"])
+@pytest.mark.parametrize("case", ["causal", "right_padding", "left_padding"])
 def test_bfloat16_kernel_keeps_nan_values_to_the_queries_that_see_them(case):
     """The half-precision kernel (packed operands) keeps a NaN value to the queries that see its key, as the float32
     one does (the dispatcher sends such calls elsewhere; decode relies on it): a causal call's later queries; none
-    behind right padding that ends on an odd key (the packed P v product reads one key past such a tile, P 0 there)."""
+    behind right padding that ends on an odd key (the packed P v product reads one key past such a tile, P 0 there);
+    none in left padding that ends inside a 64-key block (the packed tiles start on the block: NaN key and value
+    there, which the tile reads but no row sees)."""
     q, k, v = _inputs(200, 200, torch.bfloat16, seed=10)
-    nan_key = 150 if case == "causal" else 101
+    nan_key = {"causal": 150, "right_padding": 101, "left_padding": 5}[case]
     v[:, :, nan_key] = float("nan")
+    if case == "left_padding":
+        k[:, :, nan_key] = float("nan")
     causal = case == "causal"
     values = torch.randn(1, 399, dtype=torch.float64)
     w = reversed_bias(values, torch.float32, 1.0, causal, 0, 200)
-    padding = None if causal else torch.zeros(1, 1, 200).masked_fill(torch.arange(200) >= 101, float("-inf"))
+    hidden = {"causal": None, "right_padding": torch.arange(200) >= 101, "left_padding": torch.arange(200) < 10}[case]
+    padding = None if hidden is None else torch.zeros(1, 1, 200).masked_fill(hidden, float("-inf"))
     plan = {"scale": D ** -0.5, "delta": 0, "is_causal": causal, "tile_q": 64, "tile_k": 128}
     out, _ = _native.native_forward(q, k, v, w, plan, key_padding=padding)
     clean = v.clone()

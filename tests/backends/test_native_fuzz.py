@@ -17,6 +17,10 @@ as one key; one or two threads; the BLAS or at::addmm_out. Results are compared 
 Under the normal build this checks the boundaries in a few seconds; ``.ci/sanitize`` runs it against the kernels
 built with AddressSanitizer and UBSan, where an out-of-bounds access or undefined behaviour aborts the run.
 ``RELBIAS_FUZZ_EXAMPLES`` sets the examples per test (default 80).
+
+The forward also in bfloat16 and float16 (q, k, v in half precision, the bias and padding in float32; on a CPU with
+AMX-BF16 the bfloat16 calls of 64 query rows or more run the packed brgemm path), against the formula on the same
+rounded inputs within the rounding of P and of the output to that dtype.
 """
 
 from __future__ import annotations
@@ -268,3 +272,39 @@ def test_the_custom_ops_match_the_float64_formula(c):
     glse_seen = glse.double().masked_fill(ref_lse == -torch.inf, 0)
     _check(c, [out, lse, *grads], want, q64.detach(), k64.detach(), v64.detach(), dout.double(), glse_seen, p, z,
            gathered, smax)
+
+
+@SETTINGS
+@given(c=problems(), half=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16]))
+def test_the_half_precision_forward_matches_the_float64_formula(c, half):
+    """The forward entry point with half-precision q, k, v (w and the key padding float32): out within a few units
+    of the dtype at the values' scale (P and the output are rounded to it), lse within float32's rounding (scores,
+    softmax statistics and bias stay float32)."""
+    c.dtype = half
+    g, q, k, v, keep, visible, z, offsets = _setup(c)
+    m = c.lq + c.lk - 1
+    w = torch.randn(c.hb, m, generator=g, dtype=torch.float64).mul_(c.bias_size).float()
+    if c.is_causal:
+        w[:, max(0, c.lq + c.delta):] = float("-inf")
+    table = w if not c.w_sliced else torch.full((c.hb, m + 5), NAN)[:, 2:m + 2].copy_(w)
+    settings_ = (c.dropout[0], c.dropout[1], c.dropout[2], c.dropout[3], *c.window)
+    before = _threads(c.threads)
+    try:
+        out, lse = NATIVE.toeplitz_forward(q, k, v, table, c.scale, c.delta, c.is_causal, c.tiles[0], c.tiles[1],
+                                           c.blas, _additive(keep, torch.float32), *settings_)
+    except RuntimeError as error:  # a libtorch without MKL's half-precision GEMM refuses by name
+        assert "half-precision GEMM" in str(error)
+        return
+    finally:
+        torch.set_num_threads(before)
+    assert out.dtype == half and lse.dtype == torch.float32
+    index = c.lq - 1 + offsets
+    q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+    ref_out, ref_lse, _, smax = reference(q64, k64, v64, w.double()[:, index][None], keep, visible, c.scale, z)
+    no_key = ref_lse == float("-inf")
+    assert torch.equal(lse == float("-inf"), no_key) and not out[no_key].any()
+    zmax = 1.0 if z is None else 1.0 / (1.0 - c.dropout[0])
+    atol = 4 * torch.finfo(half).eps * max_abs(v64) * zmax
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
+    atol, rtol = rounding_tolerance(ref_lse, n=max(c.d, c.lk, 1), dtype=torch.float32, scale=smax + max_abs(ref_lse))
+    torch.testing.assert_close(lse.double(), ref_lse, atol=atol, rtol=rtol)

@@ -116,7 +116,7 @@ _NATIVE_DTYPES = (torch.float32, torch.float64)
 _HALF_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 #: The matrix units a half-precision dtype's native forward runs on, for the messages (names as ``lscpu`` shows them).
 HALF_UNITS = {torch.bfloat16: "AMX-BF16 (amx_bf16)", torch.float16: "AMX-FP16 (amx_fp16)"}
-_half_answers: dict[torch.dtype, bool] = {}  # dtype -> the built module's half_precision answer
+_half_answers: dict[tuple[torch.dtype, bool], bool] = {}  # (dtype, oneDNN on) -> the module's half_precision answer
 
 
 def takes(query: torch.Tensor) -> bool:
@@ -140,9 +140,10 @@ def runs_half(dtype: torch.dtype) -> bool:
     name = _HALF_NAMES.get(dtype)
     if name is None or load_native() is None:
         return False
-    answer = _half_answers.get(dtype)
+    key = (dtype, torch._C._get_mkldnn_enabled())  # torch.backends.mkldnn.flags(enabled=False) turns the units off
+    answer = _half_answers.get(key)
     if answer is None:
-        answer = _half_answers[dtype] = bool(_loaded["module"].half_precision(name))
+        answer = _half_answers[key] = bool(_loaded["module"].half_precision(name))
     return answer
 
 

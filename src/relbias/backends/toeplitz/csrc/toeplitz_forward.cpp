@@ -204,6 +204,18 @@ bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
   return !any;
 }
 
+// A task's band: Band's rows, none of them seeing a key before first (the task's first key: the packed path starts
+// its key tiles on 64-key blocks, and keys before first, padded ones included, are hidden as the band hides others).
+struct TaskBand {
+  const Band& band;
+  int64_t first;
+  void row(int64_t t, int64_t lk, int64_t k0, int64_t bk, int64_t& jbeg, int64_t& jend) const {
+    band.row(t, lk, k0, bk, jbeg, jend);
+    jbeg = std::max(jbeg, std::min(bk, first - k0));
+    jend = std::max(jend, jbeg);
+  }
+};
+
 // O += P v for a key tile of bk keys from key k0 (P: the tile's rows, tile_k apart, 0 at the keys a row cannot
 // see; vt: the tile's first value row). One GEMM, unless a value that some row cannot see holds NaN/inf, which the
 // GEMM would carry to that row (0 * NaN): then one GEMM per row over the keys it sees, so a NaN/inf reaches exactly
@@ -211,7 +223,7 @@ bool rows_finite(const T* v, int64_t ld, int64_t r0, int64_t r1, int64_t Dv) {
 // row's first key or from the first row's end on (both ends move forward with the row); checking them reads
 // O(bk Dv) values against the GEMM's O(bq bk Dv) work, and none at all in a tile every row sees whole.
 template <typename In, typename T>
-void pv_product(const Band& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const In* P,
+void pv_product(const TaskBand& band, int64_t i0, int64_t i1, int64_t Lk, int64_t k0, int64_t bk, const In* P,
                 int64_t tile_k, const In* vt, int64_t v_ld, int64_t Dv, T beta, T* ob, int64_t ob_ld, bool blas,
                 const PackedKV<In>* packed = nullptr, int64_t bh = 0) {
   const int64_t bq = i1 - i0;
@@ -316,14 +328,13 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       std::fill(row_m, row_m + bq, neg_inf);
       std::fill(row_l, row_l + bq, T(0));
       int64_t kbeg = band.begin(i0, Lk), kend = band.end(i1 - 1, Lk);  // the keys some row of the tile sees
-      const int64_t kfirst = kbeg;
       if (pad != nullptr) {  // only the kept keys' range; the row itself only where padding lies inside it
         const PadRange range = pad_range(pad, Lk);
         kbeg = std::max(kbeg, range.first);
         kend = std::min(kend, range.last);
-        // (packed: padded keys before kbeg in its 64-key block are read too, hidden by the row)
-        if (!range.interior && !(packed && kbeg % kPackCols != 0 && kbeg > kfirst)) pad = nullptr;
+        if (!range.interior) pad = nullptr;
       }
+      const TaskBand task_band{band, kbeg};  // (packed: kbeg's block starts the tiles; the keys before it hidden)
       if (packed) kbeg -= kbeg % kPackCols;
       bool fresh = true;  // O holds nothing yet: the first P v product writes it (beta 0), unscaled
       for (int64_t k0 = kbeg; k0 < kend; k0 += tile_k) {
@@ -342,7 +353,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           const int64_t i = i0 + a;
           T* __restrict__ srow = S + a * ldS;
           int64_t jbeg, jend;  // keys k0 + j, jbeg <= j < jend, are visible to query i
-          band.row(i, Lk, k0, bk, jbeg, jend);
+          task_band.row(i, Lk, k0, bk, jbeg, jend);
           const int64_t n = jend - jbeg;
           T* __restrict__ seen = srow + jbeg;
           const T* __restrict__ wrow = wr + (Lq - 1 - i + k0);  // the bias of key k0 for query i
@@ -399,7 +410,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        pv_product(band, i0, i1, Lk, k0, bk, P, ldS, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, acc_ld, blas,
+        pv_product(task_band, i0, i1, Lk, k0, bk, P, ldS, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, acc_ld, blas,
                    packed.get(), bh);
         fresh = false;
       }
@@ -452,8 +463,9 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   tile_q = std::min(tile_q, std::max<int64_t>(Lq, 1));  // no larger buffers than the lengths need (decoding: 1 row)
   tile_k = std::min(tile_k, std::max<int64_t>(Lk, 1));
   const int64_t big = std::numeric_limits<int>::max();
-  const bool fits_int = q.size(3) < big && v.size(3) < big && tile_k < big && q.stride(2) < big &&
-                        k.stride(2) < big && v.stride(2) < big;  // BLAS takes int leading dimensions
+  // BLAS takes int leading dimensions (a length-1 dimension's stride is never read: Rows)
+  const auto rows_fit = [&](const at::Tensor& t) { return t.size(2) <= 1 || t.stride(2) < big; };
+  const bool fits_int = q.size(3) < big && v.size(3) < big && tile_k < big && rows_fit(q) && rows_fit(k) && rows_fit(v);
   TORCH_CHECK(!half || fits_int, "toeplitz_forward: ", dtype, " inputs need head dims and row strides below 2^31");
   blas = blas && have_blas(dtype) && fits_int;
   at::Tensor out = at::empty({B, H, Lq, v.size(3)}, q.options());
@@ -461,7 +473,7 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   // half precision on the CPU's matrix units with enough query rows to repay packing K and V (a decoding step's
   // few rows run MKL's GEMM on them as they are): brgemm on packed operands (toeplitz_packed.h)
-  const bool packed = half && Lq >= kPackCols && q.size(3) % 2 == 0 && (tile_k % kPackCols == 0 || tile_k >= Lk) &&
+  const bool packed = half && Lq >= kPackCols && q.size(3) > 0 && q.size(3) % 2 == 0 && (tile_k % kPackCols == 0 || tile_k >= Lk) &&
                       at::native::cpublas::could_pack(dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "toeplitz_forward", [&] {
     forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, packed, out, lse);
