@@ -53,7 +53,7 @@ def test_auto_takes_decode_for_inference_steps_only():
     if _toeplitz_native.runs_half(torch.bfloat16):  # the native kernel reads a bfloat16 cache in place
         assert half[0] == "decode" and "AMX-BF16" in half[1]
     else:  # a half-precision mask would round the bias: toeplitz runs it on float32 copies
-        assert half[0] != "decode" and "does not run it here" in half[1]
+        assert half[0] != "decode" and "does not run this dtype here" in half[1]
 
 
 def test_decode_reads_no_key_to_validate_when_nothing_is_hidden(monkeypatch):

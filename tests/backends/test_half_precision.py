@@ -47,7 +47,17 @@ def _sdpa_materialised(q, k, v, bias, *, is_causal=False, mask=None, window=None
         pe = bias(a.query_len, a.key_len, query_start=a.query_start, key_start=a.key_start).double() * call.bias_scale
     visible = visible_keys(mask, is_causal, a, q.device, window)
     additive = pe[None].masked_fill(~visible, float("-inf")).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=call.scale)
+    return _sdpa(q, k, v, additive, call.scale)
+
+
+def _sdpa(q, k, v, attn_mask, scale):
+    """SDPA with an additive mask; its math backend where the CPU flash kernel refuses (torch's own half-precision
+    kernel on AMX under ATEN_CPU_CAPABILITY=default: "pack_vnni2 is only supported when avx512 is supported")."""
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    except RuntimeError:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
 
 def _reference(q, k, v, bias, **kwargs):
@@ -180,7 +190,7 @@ def test_half_kernel_against_reference(dtype):
     assert out.dtype == dtype and lse.dtype == torch.float32
     expected, expected_lse = _native.native_forward(q.double(), k.double(), v.double(), w.double(), plan)
     index = 37 - 1 - torch.arange(37)[:, None] + torch.arange(53)  # query i, key j read w[Lq - 1 - i + j]
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=w[0, index].to(dtype), scale=plan["scale"])
+    sdpa = _sdpa(q, k, v, w[0, index].to(dtype), plan["scale"])
     _flash_rule(out, sdpa, expected)
     assert (lse.double() - expected_lse).abs().max().item() < 0.05
 
@@ -199,7 +209,7 @@ def test_without_matrix_units_half_runs_on_float32_copies(monkeypatch):
     assert torch.equal(out, copies.to(torch.bfloat16))
     name, why = relbias.explain_backend(q, k, v, bias=bias.requires_grad_(False))
     assert "float32 copies" in why
-    assert name == "toeplitz"  # decode refuses half precision it cannot run natively
+    assert name == "toeplitz"
 
 
 @native

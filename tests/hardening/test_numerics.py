@@ -56,8 +56,10 @@ def test_t5_scores_beyond_fp16_range_stay_finite_and_within_twice_the_reference_
         got = call_or_refusal(backend, q, k, v, bias=bias, is_causal=is_causal)
         exact = relbias.attention(q.float(), k.float(), v.float(), bias=bias, is_causal=is_causal, backend="reference")
         plain = relbias.attention(q, k, v, bias=bias, is_causal=is_causal, backend="reference")
-    if isinstance(got, str):  # decode keeps its bias mask in float32/float64; the Triton interpreter has no bfloat16
-        assert (backend == "decode" and "round the bias" in got) or (backend == "triton" and "no bfloat16" in got), got
+    if isinstance(got, str):  # decode keeps its bias mask in float32/float64 (half precision only in the native
+        # kernel, where it runs the dtype) and takes at most 16 queries; the Triton interpreter has no bfloat16
+        decode_refusal = "round the bias" in got or "the decode backend takes at most" in got
+        assert (backend == "decode" and decode_refusal) or (backend == "triton" and "no bfloat16" in got), got
         pytest.skip(got)
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert _err(got, exact) <= 2 * _err(plain, exact) + 1e-4, (_err(got, exact), _err(plain, exact))

@@ -231,8 +231,9 @@ class DecodeBackend(Backend):
             reasons.append(f"{call.grad_source}; the decode backend is inference only (no gradient for its bias mask)")
         if call.query.dtype not in (torch.float32, torch.float64) and not _toeplitz_native.takes(call.query):
             note = _toeplitz_native.half_precision_note(call.query.dtype) or f"{call.query.dtype} is not supported"
-            reasons.append(f"{call.query.dtype} inputs: the decode backend takes half precision in relbias' native "
-                           f"kernel only, which does not run it here ({note})")
+            reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias, "
+                           f"and relbias' native kernel, which reads it in float32, does not run this dtype here "
+                           f"({note})")
         reasons += cpu_flash_reasons(call)
         if reasons:
             return reasons

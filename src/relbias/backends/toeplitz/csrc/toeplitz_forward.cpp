@@ -474,7 +474,7 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   // half precision on the CPU's matrix units with enough query rows to repay packing K and V (a decoding step's
   // few rows run MKL's GEMM on them as they are): brgemm on packed operands (toeplitz_packed.h)
   const bool packed = half && Lq >= kPackCols && q.size(3) > 0 && q.size(3) % 2 == 0 && (tile_k % kPackCols == 0 || tile_k >= Lk) &&
-                      at::native::cpublas::could_pack(dtype);
+                      packed_units(dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "toeplitz_forward", [&] {
     forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, packed, out, lse);
   });

@@ -9,6 +9,7 @@
 #include "toeplitz_common.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/native/CPUBlas.h>
 
 #include <cstdint>
@@ -20,6 +21,14 @@ namespace relbias_toeplitz {
 constexpr int64_t kPackCols = 64;  // columns per packed block
 
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+// Whether brgemm runs dtype on packed operands here: the CPU's matrix units for it as oneDNN sees them
+// (cpublas::could_pack: AMX-BF16, AMX-FP16) and ATen's AVX-512 kernels (brgemm's half-precision path packs with
+// ATen's vectorised code, which refuses under a lower ATEN_CPU_CAPABILITY).
+inline bool packed_units(at::ScalarType dtype) {
+  static const bool avx512 = at::get_cpu_capability().rfind("AVX512", 0) == 0;
+  return avx512 && at::native::cpublas::could_pack(dtype);
+}
 
 // K and V of every (batch, head) row packed for brgemm (In: bfloat16 or float16, 16-bit):
 //   keys:   per bh, nkb blocks of 64 keys, each (D / 2, 64, 2): entry (d, j) of kᵀ, key 64 c + j, at
