@@ -11,18 +11,18 @@ Per-call latency (ms, median of ``--calls`` calls after a warm-up, the methods i
 
 for Lq in ``--queries`` (default 1) and Lk = 128, 512, 2048, 8192 (B=1, H=8, D=64, ``--dtype`` (default float32;
 bfloat16 and float16 too: the cache and queries in that dtype, the materialised rows rounded to it as transformers'
-half-precision models do), causal ``T5Bias``), inference. With ``--loop N``, also back-to-back: the best of 7 runs of N calls of one method in a row (us per call,
-the methods alternating between runs), where caches and the interpreter stay warm (a repeated call's floor; inside
-a model every call is colder), and relbias' time over SDPA's in us. Then tokens/s of greedy ``generate``
-(``--new-tokens`` tokens; the prompt's forward included) of a t5-small-shaped ``T5ForConditionalGeneration`` and
-a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random weights, built from configs: no download) at 512 and
-4096 input tokens: unpatched, patched, and the bound (patched, with the attention call returning its query: what the
-model costs when attention costs nothing), interleaved in one process, the best of ``--rounds`` rounds each, with
-identical tokens checked. The ratios are medians over the rounds of each round's own ratio (the three variants of a
-round run back to back, so a slower or faster stretch of a shared machine moves them together), and ``share of
-bound`` is ``(unpatched/patched - 1) / (unpatched/bound - 1)`` of those: the part of the most any attention could
-gain that the patch gains. Prints the load average before and after; run it on an otherwise
-idle machine.
+half-precision models do), causal ``T5Bias``), inference. With ``--loop N``, also back-to-back: the best of 7 runs of N
+calls of one method in a row (us per call, the methods alternating between runs), where caches and the interpreter stay
+warm (a repeated call's floor; inside a model every call is colder), and relbias' time over SDPA's in us. Then tokens/s
+of greedy ``generate`` (``--new-tokens`` tokens; the prompt's forward included) of a t5-small-shaped
+``T5ForConditionalGeneration`` and a bloom-560m-shaped ``BloomForCausalLM`` with 6 layers (random weights, built from
+configs: no download) at 512 and 4096 input tokens: unpatched, patched, and the bound (patched, with the attention call
+returning its query: what the model costs when attention costs nothing), interleaved in one process, the best of
+``--rounds`` rounds each, with identical tokens checked. The ratios are medians over the rounds of each round's own
+ratio (the three variants of a round run back to back, so a slower or faster stretch of a shared machine moves them
+together), and ``share of bound`` is ``(unpatched/patched - 1) / (unpatched/bound - 1)`` of those: the part of the most
+any attention could gain that the patch gains. Prints the load average before and after; run it on an otherwise idle
+machine.
 
     python benchmarks/bench_decode.py [--queries 1 16 128] [--lengths 128 512 2048 8192] [--inputs 512 4096]
         [--models t5 bloom] [--new-tokens 32] [--loop 2000] [--dtype bfloat16]

@@ -1,9 +1,10 @@
 """Benchmark: a t5-small-shaped transformers encoder, unpatched vs patched with relbias (``patch_t5``).
 
-Model: ``T5EncoderModel`` from a config with t5-small's shape (d_model 512, 8 heads, d_kv 64, 6 layers, d_ff 2048,
-ReLU feed-forward, 32 buckets, max_distance 128, vocab 32128), random weights (seed 0), ``--dtype`` (default
-float32; bfloat16 and float16: ``model.to(dtype)``, as half-precision serving does), eval mode, no gradients; input: random token ids (batch, length), no padding. The unpatched model uses transformers' default
-attention ("sdpa", whose T5 path builds a (1, 8, L, L) bias and passes it as SDPA's float mask).
+Model: ``T5EncoderModel`` from a config with t5-small's shape (d_model 512, 8 heads, d_kv 64, 6 layers, d_ff 2048, ReLU
+feed-forward, 32 buckets, max_distance 128, vocab 32128), random weights (seed 0), ``--dtype`` (default float32;
+bfloat16 and float16: ``model.to(dtype)``, as half-precision serving does), eval mode, no gradients; input: random token
+ids (batch, length), no padding. The unpatched model uses transformers' default attention ("sdpa", whose T5 path builds
+a (1, 8, L, L) bias and passes it as SDPA's float mask).
 
 Method. Every (length, variant) runs in a fresh Python process (``--child``), so that one configuration's memory
 cannot hide in another's allocator pools. In that process, after the model and the input exist: garbage is

@@ -12,12 +12,12 @@ that picks its code at run time:
 * ``sse``: ``ATEN_CPU_CAPABILITY=default MKL_ENABLE_INSTRUCTIONS=SSE4_2 ONEDNN_MAX_CPU_ISA=SSE41
   RELBIAS_NATIVE_MARCH=x86-64-v2`` (the baseline level; not run by default).
 
-Each (level, family) is one ``relbias bench`` run (:mod:`relbias.benchmark`: warm-up, interleaved repeats, minimum
-and median) in its own process: forward at ``--n-fwd`` and forward+backward at ``--n-fwdbwd`` tokens, causal and
-bidirectional, B=1 H=8 D=64 ``--dtype`` (default float32), ``--threads`` threads; the kernels for each level are built (or loaded from
-the cache) before its first timed run. Printed: toeplitz's time as a ratio to SDPA's in the same run (minimum /
-median), marked ``!`` above the target (forward 1.15x, forward+backward 1.25x), and the load average before and
-after. The emulated levels stand for CPUs of those levels only as far as their code goes: caches, clocks and the
+Each (level, family) is one ``relbias bench`` run (:mod:`relbias.benchmark`: warm-up, interleaved repeats, minimum and
+median) in its own process: forward at ``--n-fwd`` and forward+backward at ``--n-fwdbwd`` tokens, causal and
+bidirectional, B=1 H=8 D=64 ``--dtype`` (default float32), ``--threads`` threads; the kernels for each level are built
+(or loaded from the cache) before its first timed run. Printed: toeplitz's time as a ratio to SDPA's in the same run
+(minimum / median), marked ``!`` above the target (forward 1.15x, forward+backward 1.25x), and the load average before
+and after. The emulated levels stand for CPUs of those levels only as far as their code goes: caches, clocks and the
 BLAS's choices for another vendor's CPU are this machine's.
 
 Usage::

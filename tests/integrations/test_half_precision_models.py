@@ -1,8 +1,8 @@
 """Patched T5 models in bfloat16 (``model.to(torch.bfloat16)`` and ``torch.autocast``): outputs within bfloat16's
 resolution of transformers' own bfloat16 model and no further from the float32 model than transformers' bfloat16
 is; greedy tokens and a training step's gradients as transformers'. transformers' models run its eager attention
-(its SDPA path fails in bfloat16 on AMX under ATEN_CPU_CAPABILITY=default, in torch's kernel). On a CPU with AMX-BF16 the attention runs the
-native kernels in half precision (80 tokens: the packed path), elsewhere on float32 copies."""
+(its SDPA path fails in bfloat16 on AMX under ATEN_CPU_CAPABILITY=default, in torch's kernel). On a CPU with AMX-BF16
+the attention runs the native kernels in half precision (80 tokens: the packed path), elsewhere on float32 copies."""
 
 import pytest
 import torch

@@ -21,8 +21,9 @@ it, and only for the flash path are the keys some query cannot see checked for N
 Inference only (neither kernel gives a gradient for the bias here); float32 and float64, and bfloat16 / float16 where
 the native kernel runs them in half precision (:func:`relbias.backends.toeplitz._native.runs_half`: the CPU's matrix
 units; the cache read in place, the bias in float32; a call the kernel cannot read in place runs on float32 copies).
-Elsewhere half-precision calls go to the toeplitz backend (a half-precision mask would round the bias). Source: split-KV decoding (Dao et al. 2023, Flash-Decoding) with the bias as an additive mask, as
-Hugging Face's T5 decoder does with a materialised bias row.
+Elsewhere half-precision calls go to the toeplitz backend (a half-precision mask would round the bias). Source:
+split-KV decoding (Dao et al. 2023, Flash-Decoding) with the bias as an additive mask, as Hugging Face's T5 decoder
+does with a materialised bias row.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ from ._backward import tiled_backward
 
 __all__ = [
     "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "forward", "forward_tiles", "half_precision_note",
-    "load_native", "loaded_native", "window_tile", "native_backward", "native_forward", "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout",
-    "runs_half", "takes",
+    "load_native", "loaded_native", "window_tile", "native_backward", "native_forward", "native_unavailable_reason",
+    "native_variant", "read_in_place", "rows_layout", "runs_half", "takes",
 ]
 
 #: The native forward's query rows and keys per tile (tokens), each capped by the call's ``block_q``

@@ -133,8 +133,9 @@ inline T exp_term(T s, T m, T floor) {
 }
 
 // P[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87, into srow itself (prow nullptr) or, rounded to Out
-// (round_to) from exp_clamped_coarse (half precision needs no more), into prow; returns their sum in T (lanes, then the tail). 64 bytes of lanes whatever the target's width
-// (AVX2 runs them as two registers): the same order of summation on every ISA.
+// (round_to) from exp_clamped_coarse (half precision needs no more), into prow; returns their sum in T (lanes, then
+// the tail). 64 bytes of lanes whatever the target's width (AVX2 runs them as two registers): the same order of
+// summation on every ISA.
 template <typename T, typename Out = T>
 T exp_sum(T* __restrict__ srow, T m, int64_t n, Out* __restrict__ prow = nullptr) {
   constexpr bool kInPlace = std::is_same<Out, T>::value;
@@ -361,15 +362,19 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
           // a row that hides some keys, fewer than one 64-byte vector holds, runs its whole tile in vectors (hidden
           // keys -inf), else its visible keys only (no work for the keys it cannot see)
           const bool whole = n > 0 && n < bk && bk - n < kWholeSlack;
-          const T mx = whole ? (pad == nullptr ? add_bias_max<false, true>(srow, wrow, prow, score_scale, bk, jbeg, jend)
-                                               : add_bias_max<true, true>(srow, wrow, prow, score_scale, bk, jbeg, jend))
-                             : (pad == nullptr ? add_bias_max<false, false>(seen, wrow + jbeg, prow, score_scale, n)
-                                               : add_bias_max<true, false>(seen, wrow + jbeg, prow + jbeg, score_scale, n));
+          const T sc = score_scale;
+          const T mx = whole ? (pad == nullptr ? add_bias_max<false, true>(srow, wrow, prow, sc, bk, jbeg, jend)
+                                               : add_bias_max<true, true>(srow, wrow, prow, sc, bk, jbeg, jend))
+                             : (pad == nullptr ? add_bias_max<false, false>(seen, wrow + jbeg, prow, sc, n)
+                                               : add_bias_max<true, false>(seen, wrow + jbeg, prow + jbeg, sc, n));
           const T m_old = row_m[a];
           const T m_new = mx > m_old || mx != mx ? mx : m_old;  // NaN stays
           if (n == 0 || m_new == neg_inf) {  // nothing visible (yet): P = 0, O and l unchanged
             std::fill(srow, srow + bk, T(0));
-            if constexpr (kHalf) std::fill(p_buf.data() + a * ldS, p_buf.data() + a * ldS + (packed ? round_up(bk, 2) : bk), In(0));
+            if constexpr (kHalf) {
+              In* const ph = p_buf.data() + a * ldS;
+              std::fill(ph, ph + (packed ? round_up(bk, 2) : bk), In(0));
+            }
             continue;
           }
           // half precision without dropout: P straight into its rounded row; else into S (dropout is applied to the
@@ -410,8 +415,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
             for (int64_t d = 0; d < Dv; ++d) orow[d] *= alpha;
           }
         }
-        pv_product(task_band, i0, i1, Lk, k0, bk, P, ldS, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, acc_ld, blas,
-                   packed.get(), bh);
+        pv_product(task_band, i0, i1, Lk, k0, bk, P, ldS, vb + k0 * v_ld, v_ld, Dv, fresh ? T(0) : T(1), acc, acc_ld,
+                   blas, packed.get(), bh);
         fresh = false;
       }
       for (int64_t a = 0; a < bq; ++a) {
@@ -473,7 +478,8 @@ std::vector<at::Tensor> toeplitz_forward(const at::Tensor& q, const at::Tensor& 
   if (out.numel() == 0 && lse.numel() == 0) return {out, lse};
   // half precision on the CPU's matrix units with enough query rows to repay packing K and V (a decoding step's
   // few rows run MKL's GEMM on them as they are): brgemm on packed operands (toeplitz_packed.h)
-  const bool packed = half && Lq >= kPackCols && q.size(3) > 0 && q.size(3) % 2 == 0 && (tile_k % kPackCols == 0 || tile_k >= Lk) &&
+  const bool packed = half && Lq >= kPackCols && q.size(3) > 0 && q.size(3) % 2 == 0 &&
+                       (tile_k % kPackCols == 0 || tile_k >= Lk) &&
                       packed_units(dtype);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "toeplitz_forward", [&] {
     forward_kernel<scalar_t>(q, k, v, w, kpad, dropout, scale, band, tile_q, tile_k, blas, packed, out, lse);
