@@ -241,8 +241,7 @@ class DecodeBackend(Backend):
         return [] if self.confines_non_finite(call) else non_finite_reasons(narrow_to_window(call), "the decode kernel")
 
     def explain(self, call: AttentionCall) -> str:
-        note = _toeplitz_native.half_precision_note(call.query.dtype) if call.query.is_cpu else None
-        return self.summary if note is None else f"{self.summary}; {note}"
+        return _toeplitz_native.explain_half_precision(self.summary, call.query)
 
     def confines_non_finite(self, call: AttentionCall) -> bool:
         # relbias' native kernel reads the values a row cannot see only to check them, and where one is NaN/inf it

@@ -54,7 +54,7 @@ from .._shared.reasons import (
 )
 from .._shared.masks import additive_mask
 from ._kernel import part_backward, toeplitz_apply
-from ._native import half_precision_note, native_unavailable_reason
+from ._native import explain_half_precision, native_unavailable_reason
 from ._native import takes as _native_takes
 from .._shared.dtypes import compute_dtype
 from ...window import kernel_sides
@@ -120,8 +120,7 @@ class ToeplitzBackend(Backend):
         return []
 
     def explain(self, call: AttentionCall) -> str:
-        note = half_precision_note(call.query.dtype) if call.query.device.type == "cpu" else None
-        return self.summary if note is None else f"{self.summary}; {note}"
+        return explain_half_precision(self.summary, call.query)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return toeplitz_attention(call)

@@ -38,9 +38,9 @@ from ._build import build as _build
 from ._backward import tiled_backward
 
 __all__ = [
-    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "forward", "forward_tiles", "half_precision_note",
-    "load_native", "loaded_native", "window_tile", "native_backward", "native_forward", "native_unavailable_reason",
-    "native_variant", "read_in_place", "rows_layout", "runs_half", "takes",
+    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "explain_half_precision", "forward", "forward_tiles",
+    "half_precision_note", "load_native", "loaded_native", "window_tile", "native_backward", "native_forward",
+    "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout", "runs_half", "takes",
 ]
 
 #: The native forward's query rows and keys per tile (tokens), each capped by the call's ``block_q``
@@ -145,6 +145,13 @@ def runs_half(dtype: torch.dtype) -> bool:
     if answer is None:
         answer = _half_answers[key] = bool(_loaded["module"].half_precision(name))
     return answer
+
+
+def explain_half_precision(summary: str, query: torch.Tensor) -> str:
+    """A backend's ``summary`` with, for a CPU call in bfloat16 or float16, :func:`half_precision_note` after it
+    (the sentence ``explain_backend`` gives for the toeplitz and decode backends)."""
+    note = half_precision_note(query.dtype) if query.is_cpu else None
+    return summary if note is None else f"{summary}; {note}"
 
 
 def half_precision_note(dtype: torch.dtype) -> str | None:

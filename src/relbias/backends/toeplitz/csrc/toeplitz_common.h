@@ -57,23 +57,22 @@ inline T bits_to(typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::ty
 }
 
 // exp(x) for x already clamped to [-87, hi] (hi: 88 for float, 709 for double): x = n ln2 + r, |r| <= ln2 / 2,
-// exp(x) = 2^n p(r) with p a Taylor polynomial (float: degree 7, relative error < 2e-7; double: degree 13,
-// < 1e-16 before rounding). Plain arithmetic and bit casts, so GCC vectorises a loop of it at -O3 (no
-// -ffast-math: the rounding trick (t + shifter) - shifter must not be reassociated).
+// exp(x) = 2^n p(r) with p a Taylor polynomial (float: degree Degree, 7 by default, relative error < 2e-7, or 5,
+// < 3e-6, for probabilities rounded to bfloat16 (2^-9) or float16 (2^-11) afterwards; double: degree 13, < 1e-16
+// before rounding). Plain arithmetic and bit casts, so GCC vectorises a loop of it at -O3 (no -ffast-math: the
+// rounding trick (t + shifter) - shifter must not be reassociated).
+template <int Degree = 7>
 inline float exp_clamped(float x) {
+  static_assert(Degree >= 1 && Degree <= 7, "a Taylor polynomial of degree 1 to 7");
+  constexpr float kInverseFactorial[] = {1.0f, 1.0f, 0.5f, 1.0f / 6.0f, 1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f,
+                                         1.0f / 5040.0f};
   const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   float t = x * 1.44269504088896341f + shifter;
   float n = t - shifter;
   float r = x - n * 0.693359375f;  // Cody-Waite: ln2 = 0.693359375 - 2.12194440e-4
   r = r + n * 2.12194440e-4f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
+  float p = kInverseFactorial[Degree];  // Horner, highest degree first
+  for (int i = Degree - 1; i >= 0; --i) p = p * r + kInverseFactorial[i];
   int32_t e = (static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 127]
   return p * bits_to<float>(e);
 }
@@ -100,25 +99,6 @@ inline double exp_clamped(double x) {
   p = p * r + 1.0;
   int64_t e = (static_cast<int64_t>(n) + 1023) << 52;  // n in [-126, 1023]
   return p * bits_to<double>(e);
-}
-
-// exp(x) for float32 x already clamped to [-87, 88] to the accuracy a half-precision result needs: as exp_clamped
-// with a Taylor polynomial of degree 5 (relative error < 3e-6, against bfloat16's 2^-9 and float16's 2^-11 rounding).
-// Two fused multiply-adds fewer per value, for the half-precision kernels' probabilities.
-inline float exp_clamped_coarse(float x) {
-  const float shifter = 12582912.0f;  // 1.5 * 2^23
-  float t = x * 1.44269504088896341f + shifter;
-  float n = t - shifter;
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  return p * bits_to<float>(e);
 }
 
 template <typename T> constexpr T exp_ceiling() { return sizeof(T) == 4 ? T(88) : T(709); }
@@ -222,17 +202,15 @@ inline bool have_blas(at::ScalarType dtype) {
   }
 }
 
-// The bfloat16 bits of x rounded to nearest even (torch's conversion; NaN to a quiet NaN): the upper half of the
-// float32 bits after adding the rounding bias, a select for NaN; branch-free integer arithmetic, so that GCC vectorises
-// a loop of it.
-inline uint16_t bf16_bits(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<uint16_t>((bits & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded);
+// The bfloat16 bits (in the low half) of float32 bits, one uint32_t or a GCC vector of them, rounded to nearest even
+// (torch's conversion; NaN to a quiet NaN): the upper half after adding the rounding bias, a select for NaN.
+template <typename Bits>
+inline Bits bf16_rounded(Bits bits) {
+  const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? Bits{} + 0x7FC0u : rounded;
 }
 
-// dst[j] = src[j] rounded to In, j < n (round to nearest even, as torch's own conversions): bfloat16 by bf16_bits,
+// dst[j] = src[j] rounded to In, j < n (round to nearest even, as torch's own conversions): bfloat16 by bf16_rounded,
 // in GCC vector extensions of the target's register width (as a plain loop GCC kept it scalar), float16 by c10's
 // conversion, float and double copied.
 template <typename In, typename T>
@@ -254,11 +232,14 @@ inline void round_to(const T* __restrict__ src, In* __restrict__ dst, int64_t n)
     for (; j + kLanes <= n; j += kLanes) {
       Bits bits;
       std::memcpy(&bits, src + j, sizeof(bits));
-      const Bits rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-      const Half half = __builtin_convertvector((bits & 0x7FFFFFFFu) > 0x7F800000u ? Bits{} + 0x7FC0u : rounded, Half);
+      const Half half = __builtin_convertvector(bf16_rounded(bits), Half);
       std::memcpy(out + j, &half, sizeof(half));
     }
-    for (; j < n; ++j) out[j] = bf16_bits(src[j]);
+    for (; j < n; ++j) {
+      uint32_t bits;
+      std::memcpy(&bits, src + j, sizeof(bits));
+      out[j] = static_cast<uint16_t>(bf16_rounded(bits));
+    }
   } else {
     for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<In>(src[j]);
   }

@@ -118,22 +118,22 @@ T add_bias_max(T* __restrict__ srow, const T* __restrict__ wrow, const T* __rest
   return mx;
 }
 
-// exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises); Coarse: exp_clamped_coarse
-// (float only: half-precision probabilities).
+// exp(s - m) for s - m <= 0, 0 below e^-87 (branch-free, so that a loop of it vectorises); Coarse: exp_clamped's
+// degree-5 polynomial (float only: half-precision probabilities).
 template <bool Coarse = false, typename T>
 inline T exp_term(T s, T m, T floor) {
   const T x = s - m;
   const T keep = x < floor ? T(0) : T(1);
   const T clamped = x < floor ? floor : x;
   if constexpr (Coarse) {
-    return exp_clamped_coarse(clamped) * keep;
+    return exp_clamped<5>(clamped) * keep;
   } else {
     return exp_clamped(clamped) * keep;
   }
 }
 
 // P[j] = exp(srow[j] - m) for j < n, 0 where that is below e^-87, into srow itself (prow nullptr) or, rounded to Out
-// (round_to) from exp_clamped_coarse (half precision needs no more), into prow; returns their sum in T (lanes, then
+// (round_to) from exp_clamped's degree-5 polynomial (half precision needs no more), into prow; returns their sum in T (lanes, then
 // the tail). 64 bytes of lanes whatever the target's width (AVX2 runs them as two registers): the same order of
 // summation on every ISA.
 template <typename T, typename Out = T>
@@ -341,11 +341,9 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
       for (int64_t k0 = kbeg; k0 < kend; k0 += tile_k) {
         const int64_t k1 = std::min(kend, k0 + tile_k), bk = k1 - k0;
         if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
-        if constexpr (kHalf) {
-          if (packed) {
+        if (packed) {  // unscaled: the row pass scales
+          if constexpr (kHalf) {
             packed_scores(*packed, bh, k0 / kPackCols, (bk + kPackCols - 1) / kPackCols, bq, qb, q_ld, S, ldS);
-          } else {
-            gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, ldS, blas);
           }
         } else {
           gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, ldS, blas);

@@ -14,7 +14,7 @@
 
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 namespace relbias_toeplitz {
 
@@ -40,11 +40,11 @@ inline bool packed_units(at::ScalarType dtype) {
 template <typename In>
 struct PackedKV {
   int64_t D = 0, Dv = 0, nkb = 0, nvb = 0;
-  std::vector<In> keys_, values_;
+  std::unique_ptr<In[]> keys_, values_;  // uninitialised: packing writes every entry
 
   PackedKV(const Rows<In>& k_rows, const Rows<In>& v_rows, int64_t BH, int64_t Lk, int64_t D_, int64_t Dv_)
       : D(D_), Dv(Dv_), nkb((Lk + kPackCols - 1) / kPackCols), nvb((Dv_ + kPackCols - 1) / kPackCols),
-        keys_(BH * nkb * kPackCols * D_), values_(BH * nvb * nkb * kPackCols * kPackCols) {
+        keys_(new In[BH * nkb * kPackCols * D_]), values_(new In[BH * nvb * nkb * kPackCols * kPackCols]) {
     static_assert(sizeof(In) == 2, "VNNI pairs of 16-bit elements");
     at::parallel_for(0, BH * nkb, 1, [&](int64_t begin, int64_t end) {
       for (int64_t task = begin; task < end; ++task) {
@@ -55,11 +55,11 @@ struct PackedKV {
     });
   }
 
-  In* keys(int64_t bh, int64_t c) { return keys_.data() + (bh * nkb + c) * kPackCols * D; }
-  const In* keys(int64_t bh, int64_t c) const { return keys_.data() + (bh * nkb + c) * kPackCols * D; }
-  In* values(int64_t bh, int64_t vc) { return values_.data() + (bh * nvb + vc) * nkb * kPackCols * kPackCols; }
+  In* keys(int64_t bh, int64_t c) { return keys_.get() + (bh * nkb + c) * kPackCols * D; }
+  const In* keys(int64_t bh, int64_t c) const { return keys_.get() + (bh * nkb + c) * kPackCols * D; }
+  In* values(int64_t bh, int64_t vc) { return values_.get() + (bh * nvb + vc) * nkb * kPackCols * kPackCols; }
   const In* values(int64_t bh, int64_t vc) const {
-    return values_.data() + (bh * nvb + vc) * nkb * kPackCols * kPackCols;
+    return values_.get() + (bh * nvb + vc) * nkb * kPackCols * kPackCols;
   }
 
  private:
