@@ -2,7 +2,9 @@
 
 Model: ``LongT5EncoderModel`` from a config with google/long-t5-tglobal-base's shape (d_model 768, 12 heads, d_kv 64,
 12 layers, d_ff 2048 gated-GELU, 32 buckets, max_distance 128, local_radius 127, global_block_size 16, vocab 32128),
-random weights (seed 0), float32, eval mode, no gradients; input: random token ids (batch, length), no padding.
+random weights (seed 0), float32, eval mode, no gradients; input: random token ids (batch, length), no padding, or
+with ``--pad FRACTION`` a ragged batch: row ``k`` of ``B`` ends in ``round(FRACTION · length · (k + 1) / B)`` padding
+tokens (batch 1: that fraction of the input), hidden by the attention mask.
 ``--kind local`` gives long-t5-local-base's encoder instead; ``--layers`` fewer layers (a smoke run).
 The unpatched model runs transformers' blocked local attention (3 x 128 keys per query, the band as a mask) and, for
 transient-global, its (B, N, N / 16, H) side bias.
@@ -20,6 +22,7 @@ Usage::
     python benchmarks/bench_longt5.py                                  # 512 2048 4096 8192 16384 tokens, batch 1
     python benchmarks/bench_longt5.py --lengths 512 --layers 2 --repeats 1 --rounds 1     # a smoke run
     python benchmarks/bench_longt5.py --lengths 16384 --variants unpatched patched --threads 16
+    python benchmarks/bench_longt5.py --lengths 1500 8192 --pad 0.25 --variants unpatched patched
 
 The ``free-attention`` variant is a bound, not a model: the patched model with every relbias call of the encoder
 returning its values unchanged (no scores, no softmax; wrong outputs), so that what remains is the encoder without
@@ -80,24 +83,27 @@ def run_child(args: argparse.Namespace) -> dict:
             longt5.attention = free
             backend_used = "free attention (a bound)"
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(args.batch):  # a ragged batch: row k's last round(pad * length * (k + 1) / batch) tokens
+        attention_mask[row, args.length - round(args.pad * args.length * (row + 1) / args.batch):] = 0
 
     with torch.inference_mode():
         gc.collect()
         reset_peak()
         before = status_kib("VmRSS")
         start = time.perf_counter()
-        model(input_ids)
+        model(input_ids, attention_mask=attention_mask)
         first_ms = (time.perf_counter() - start) * 1e3
         peak = status_kib("VmHWM")
         times, cpu_times = [], []
         while len(times) < args.repeats or (sum(times) < args.budget_ms and len(times) < 50):
             start, cpu_start = time.perf_counter(), time.process_time()
-            model(input_ids)
+            model(input_ids, attention_mask=attention_mask)
             times.append((time.perf_counter() - start) * 1e3)
             cpu_times.append((time.process_time() - cpu_start) * 1e3)
     return {
         "variant": args.variant, "length": args.length, "batch": args.batch, "backend": backend_used,
-        "kind": args.kind, "layers": args.layers,
+        "kind": args.kind, "layers": args.layers, "pad": args.pad,
         "extra_mib": (peak - before) / 1024, "first_ms": first_ms, "median_ms": statistics.median(times),
         "cpu_ms": statistics.median(cpu_times),
         "threads": torch.get_num_threads(), "isa": torch.backends.cpu.get_cpu_capability(),
@@ -108,6 +114,13 @@ def _load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"--pad must be a fraction in [0, 1), got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096, 8192, 16384],
@@ -116,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="encoder_attention_type (default transient-global: long-t5-tglobal-base)")
     parser.add_argument("--layers", type=int, default=12, help="encoder layers (default 12, the base model's)")
     parser.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    parser.add_argument("--pad", type=_fraction, default=0.0,
+                        help="padding: the last row's share of padding tokens, row k of B padding (k + 1) / B of it "
+                             "(a ragged batch; default 0, no padding)")
     parser.add_argument("--repeats", type=int, default=3, help="fewest timed forwards after the memory run (default 3)")
     parser.add_argument("--budget-ms", type=float, default=2000.0,
                         help="more timed forwards (up to 50) until they took this long (default 2000)")
@@ -137,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     print(f"long-t5-{'tglobal' if args.kind == 'transient-global' else 'local'}-base-shaped encoder ({args.layers} "
-          f"layers, random weights), batch {args.batch}, float32, CPU; load average before: {_load_average()}")
+          f"layers, random weights), batch {args.batch}, padding {args.pad:g}, float32, CPU; load average before: "
+          f"{_load_average()}")
     results = []
     for length in args.lengths:
         row = {}
@@ -145,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
             command = [sys.executable, os.path.abspath(__file__), "--child", "--variant", variant,
                        "--length", str(length), "--batch", str(args.batch), "--repeats", str(args.repeats),
                        "--budget-ms", str(args.budget_ms), "--threads", str(args.threads), "--kind", args.kind,
-                       "--layers", str(args.layers)]
+                       "--layers", str(args.layers), "--pad", str(args.pad)]
             if args.backend:
                 command += ["--backend", args.backend]
             done = subprocess.run(command, capture_output=True, text=True)

@@ -208,7 +208,8 @@ class AttentionCall:
         masked = None  # keys before that slice which the mask hides from some query of some (batch, head)
         if self.mask is not None and lq:
             visible = self.mask if self.mask.dtype == torch.bool else self.mask != float("-inf")
-            masked = ~visible.expand(*visible.shape[:2], lq, lk).all(dim=2).reshape(-1, lk).all(dim=0)  # (Lk,)
+            # the query dimension reduced where it lies (1 for a key padding mask: O(Lk), never Lq x Lk)
+            masked = ~visible.all(dim=2).expand(*visible.shape[:2], lk).reshape(-1, lk).all(dim=0)  # (Lk,)
             masked[first_hidden:] = False
 
         def finite(rows) -> bool:

@@ -132,6 +132,40 @@ def test_gradients_through_every_position_padding_included(kind, length):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_ragged_batches_at_many_padding_lengths(kind):
+    """Rows padded by 0 to 48 of 49 tokens (one token, which leaves no summary block empty; inside a block, a whole
+    block, a summary block and more; all but one): the outputs transformers gives, without gradients (padding's rows
+    from per-block sums) and with them (padding's blocks scored), and the gradients of every position's output."""
+    length = 49
+    g = torch.Generator().manual_seed(7)
+    pads = [0, 1, 5, 6, 7, 13, 25, 31, 40, 48]
+    ids = torch.randint(2, VOCAB, (len(pads), length), generator=g)
+    mask = torch.ones(len(pads), length, dtype=torch.long)
+    for row, pad in enumerate(pads):
+        mask[row, length - pad:] = 0
+    weights = torch.randn(len(pads), length, 32, generator=g)
+    results = []
+    for patched in (False, True):
+        model = _model(kind, cls="EncoderModel")
+        if patched:
+            patch_longt5(model)
+        encoder = model.get_encoder()
+        with torch.no_grad():
+            inference = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = encoder(input_ids=ids, attention_mask=mask).last_hidden_state
+        (out * weights).sum().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results.append((inference, out.detach(), grads))
+    (want, want_graded, want_grads), (got, got_graded, got_grads) = results
+    assert (got - want).abs().max().item() <= TOL
+    assert (got_graded - want_graded).abs().max().item() <= TOL
+    assert want_grads.keys() == got_grads.keys()
+    for name in want_grads:
+        scale = max(1.0, want_grads[name].abs().max().item())
+        assert (got_grads[name] - want_grads[name]).abs().max().item() <= TOL * scale, name
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_greedy_and_beam_tokens_are_the_unpatched_ones(kind):
     model = _model(kind)
     ids, mask = _batch(41)

@@ -36,7 +36,10 @@ its own block band, and gets, as in transformers, the mean of the values of its 
 sequence's ends) — local attention — or, with TGlobal, 0 when its sequence has summaries of empty blocks (padding
 sees those; their states, keys and values are 0) and otherwise the mean of its three blocks' slots and every summary.
 The patch gives those rows the same values and gradients (softmax at uniform weights, which reach queries, keys and
-both tables), computed over those rows' slots alone. No real token's output depends on a padded row.
+both tables): without gradients from per-block sums of the values (O(N·D)), with them by scoring the blocks that hold
+padding against their slots (and the summaries), as transformers scores every row. The fused calls take padding as a
+key padding mask; without gradients nothing of size (N, N) or (N, N / g) is built, so padding costs no more than the
+tokens it replaces. No real token's output depends on a padded row.
 """
 
 from __future__ import annotations
@@ -132,45 +135,60 @@ def _key_mask(module: nn.Module, mask: torch.Tensor | None, length: int, local: 
     return mask != 0
 
 
-def _padding_rows(module, patch, query, key, value, e, i, side=None, segments=None) -> torch.Tensor:
-    """Outputs (n', H, D) of the rows of padding ``(e, i)`` as transformers computes them: every score of such a row
-    is ``-1e10`` plus a finite term, so its weights are uniform over the row's slots: its three blocks' ``3 (r + 1)``
-    slots (zero keys and values past the sequence's ends) and, with TGlobal, every summary. Computed as
-    ``softmax(s - s.detach()) v`` over those slots, ``s`` the row's scores without the fill, so that values and
-    gradients are transformers' (softmax at uniform weights reaches queries, keys and tables). With TGlobal, a
-    sequence with summaries of empty blocks gives its padding 0 (those summaries are the only keys it sees; their
-    values are 0)."""
+def _padding_rows(module, patch, query, key, value, real, side=None, segments=None) -> torch.Tensor:
+    """Outputs (n', H, D) of the rows of padding (``~real``, (B, N) bool, in ``nonzero`` order) as transformers
+    computes them: every score of such a row is ``-1e10`` plus a finite term, so its weights are uniform over the
+    row's slots: its three blocks' ``S = 3 (r + 1)`` slots (zero keys and values past the sequence's ends) and, with
+    TGlobal, every summary. Without gradients, that is the mean of those slots' values, from per-block sums: O(N·D).
+    With gradients, each block holding padding is scored against its slots as transformers does, and the rows take
+    ``softmax(s - s.detach()) v`` (the same values, and softmax's gradient at uniform weights, which reaches queries,
+    keys and both tables): O(n'·(S + N / g)·D). With TGlobal, a sequence with summaries of empty blocks gives its
+    padding 0 (those summaries are the only keys it sees; their values are 0)."""
     block = module.block_len
-    n = query.shape[2]
-    slots = (i // block - 1)[:, None] * block + torch.arange(3 * block, device=i.device)  # (n', 3 (r + 1)) positions
-    inside = ((slots >= 0) & (slots < n))[..., None, None]
-    where = slots.clamp(0, n - 1)
-    keys = key[e[:, None], :, where] * inside  # (n', 3 (r + 1), H, D)
-    values = value[e[:, None], :, where] * inside
-    row_query = query[e, :, i]  # (n', H, D)
-    first = patch.first
+    b, h, n, d = query.shape
+    blocks = -(-n // block)
+    fill = blocks * block - n
+    padding = nn.functional.pad(~real, (0, fill)).view(b, blocks, block)  # positions past the end are no rows
 
-    def table_scores(distance, table):  # the bucketed bias of ``distance`` (key - query), (n', H, slots)
-        buckets = module._relative_position_bucket(
-            distance, bidirectional=True, num_buckets=module.relative_attention_num_buckets,
-            max_distance=module.relative_attention_max_distance,
-        )
-        return table(buckets).permute(0, 2, 1)
+    def by_block(x):  # (B, H, N, D) -> (B, H, blocks + 2, r + 1, D): a block of zero slots at either end
+        return nn.functional.pad(x, (0, 0, block, block + fill)).view(b, h, blocks + 2, block, d)
 
-    scores = torch.einsum("nhd,nshd->nhs", row_query, keys)
-    scores = scores + table_scores(slots - i[:, None], first.relative_attention_bias)
-    values = values.permute(0, 2, 1, 3)  # (n', H, slots, D)
+    tables = [patch.first.relative_attention_bias.weight]
     if side is not None:
-        side_key, side_value = side[0][e], side[1][e]  # (n', H, G, D)
-        blocks = side_key.shape[2]
-        distance = (torch.arange(blocks, device=i.device) + 1).expand(len(i), blocks)  # block id of padding: -1
-        side_scores = torch.einsum("nhd,nhgd->nhg", row_query, side_key)
-        side_scores = side_scores + table_scores(distance, first.global_relative_attention_bias)
-        scores = torch.cat([scores, side_scores], dim=-1)
-        values = torch.cat([values, side_value], dim=2)
-    scores = scores.float()
-    weights = torch.softmax(scores - scores.detach(), dim=-1)  # uniform, with softmax's gradient
-    out = torch.einsum("nhs,nhsd->nhd", weights.to(values.dtype), values)
+        tables.append(patch.first.global_relative_attention_bias.weight)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in [query, key, value, *tables, *(side or ())]):
+        e, c = padding.any(-1).nonzero(as_tuple=True)  # the m blocks holding padding
+        three = c[:, None] + torch.arange(3, device=c.device)  # their slots' blocks c - 1 .. c + 1 (shifted by one)
+
+        def slots(x):  # (m, H, S, D)
+            return by_block(x)[e[:, None], :, three].transpose(1, 2).reshape(len(e), h, 3 * block, d)
+
+        rows = by_block(query)[e, :, c + 1]  # (m, H, r + 1, D)
+        scores = rows @ slots(key).transpose(-1, -2) + patch.first.compute_bias(block)[0]  # (m, H, r + 1, S)
+        values = slots(value)
+        if side is not None:
+            side_key, side_value = side[0][e], side[1][e]  # (m, H, G, D)
+            distance = torch.arange(side_key.shape[2], device=c.device) + 1  # block id of padding: -1
+            buckets = module._relative_position_bucket(
+                distance, bidirectional=True, num_buckets=module.relative_attention_num_buckets,
+                max_distance=module.relative_attention_max_distance,
+            )
+            side_bias = patch.first.global_relative_attention_bias(buckets).t()[None, :, None]  # (1, H, 1, G)
+            scores = torch.cat([scores, rows @ side_key.transpose(-1, -2) + side_bias], dim=-1)
+            values = torch.cat([values, side_value], dim=2)
+        scores = scores.float()
+        weights = torch.softmax(scores - scores.detach(), dim=-1)  # uniform, with softmax's gradient
+        out = (weights.to(values.dtype) @ values).transpose(1, 2)[padding[e, c]]  # (n', H, D)
+        e = e[:, None].expand(-1, block)[padding[e, c]]
+    else:
+        sums = by_block(value).sum(3)  # (B, H, blocks + 2, D)
+        total = sums[:, :, :-2] + sums[:, :, 1:-1] + sums[:, :, 2:]  # (B, H, blocks, D): the three blocks' slots
+        count = 3 * block
+        if side is not None:
+            total = total + side[1].sum(2, keepdim=True)
+            count += side[1].shape[2]
+        e, i = padding.view(b, -1).nonzero(as_tuple=True)
+        out = (total / count)[e, :, i // block]  # (n', H, D)
     if side is not None:
         empty = (segments == 0).any(-1)[e]  # (n',): summaries of empty blocks, which padding sees
         out = torch.where(empty[:, None, None], torch.zeros_like(out), out)
@@ -308,7 +326,7 @@ def _encoder_forward(module, patch, hidden_states, mask=None, position_bias=None
         out, _ = merge_partials(out_local, lse_local, out_global, lse_global)
     if padded:  # rows of padding: transformers' values and gradients (module docstring)
         e, i = (~real).nonzero(as_tuple=True)
-        rows = _padding_rows(module, patch, query, key, value, e, i,
+        rows = _padding_rows(module, patch, query, key, value, real,
                              None if local else side, None if local else segments)
         out = out.transpose(1, 2).index_put((e, i), rows.to(out.dtype)).transpose(1, 2)
     out = module.o(out.transpose(1, 2).reshape(b, n, h * d))
