@@ -132,13 +132,14 @@ def test_gradients_through_every_position_padding_included(kind, length):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_ragged_batches_at_many_padding_lengths(kind):
+@pytest.mark.parametrize("pads", [[0, 1, 5, 6, 7, 13, 25, 31, 40, 48], [5, 7, 13, 25, 31, 40, 48]])
+def test_ragged_batches_at_many_padding_lengths(kind, pads):
     """Rows padded by 0 to 48 of 49 tokens (one token, which leaves no summary block empty; inside a block, a whole
-    block, a summary block and more; all but one): the outputs transformers gives, without gradients (padding's rows
-    from per-block sums) and with them (padding's blocks scored), and the gradients of every position's output."""
+    block, a summary block and more; all but one), and a batch whose every row is padded (the calls stop at its
+    longest row): the outputs transformers gives, without gradients (padding's rows from per-block sums) and with
+    them (padding's blocks scored), and the gradients of every position's output."""
     length = 49
     g = torch.Generator().manual_seed(7)
-    pads = [0, 1, 5, 6, 7, 13, 25, 31, 40, 48]
     ids = torch.randint(2, VOCAB, (len(pads), length), generator=g)
     mask = torch.ones(len(pads), length, dtype=torch.long)
     for row, pad in enumerate(pads):

@@ -196,14 +196,15 @@ def _padding_rows(module, patch, query, key, value, real, side=None, segments=No
 
 
 def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
-    """TGlobal's summary keys: ``(out (B, H, N, D), lse (B, H, N), (side_key, side_value) (B, H, G, D) each,
-    segments (B, G))``."""
+    """TGlobal's summary keys: ``(out (B, H, n, D), lse (B, H, n), (side_key, side_value) (B, H, G, D) each,
+    segments (B, G))`` for the first ``n = query.shape[2]`` queries (the rest are padding), the summaries from the
+    whole sequence (``hidden_states`` (B, N, d_model), ``mask2d`` (B, N) or None)."""
     from transformers.models.longt5.modeling_longt5 import _make_global_fixed_block_ids
 
     b, h, n, d = query.shape
     size = module.global_block_size
     if mask2d is None:
-        mask2d = torch.ones(b, n, device=hidden_states.device)
+        mask2d = torch.ones(hidden_states.shape[:2], device=hidden_states.device)
     block_ids, segments = _make_global_fixed_block_ids(mask2d, size)  # (B, N) int, (B, G) int
     blocks = segments.shape[-1]  # G = N // size
     # Summaries: the sum of each block's states ((B, G, d_model); transformers sums with a one-hot einsum).
@@ -236,7 +237,7 @@ def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
     lse = lse.view(b, size, h, rows).permute(0, 2, 3, 1).reshape(b, h, rows * size)[:, :, :n]
     # Tokens of an incomplete last block belong to the block before: their side bias is computed apart.
     positional = torch.arange(n, device=block_ids.device) // size
-    moved = (mask2d != 0) & (block_ids >= 0) & (block_ids != positional)
+    moved = (mask2d[:, :n] != 0) & (block_ids[:, :n] >= 0) & (block_ids[:, :n] != positional)
     if bool(moved.any()):
         e, i = moved.nonzero(as_tuple=True)
         distance = torch.arange(blocks, device=query.device)[None, :] - block_ids[e, i].long()[:, None]  # (n', G)
@@ -308,23 +309,28 @@ def _encoder_forward(module, patch, hidden_states, mask=None, position_bias=None
     query, key, value = heads(module.q(hidden_states)), heads(module.k(hidden_states)), heads(module.v(hidden_states))
     real = _key_mask(module, mask, n, local)  # (B, N) bool or None
     padded = real is not None and not bool(real.all())
+    kept = n  # the positions from ``kept`` on are padding in every row (right padding): no call reads them
+    if padded:
+        seen = real.any(0).nonzero()  # positions real in some row
+        kept = int(seen.max()) + 1 if len(seen) else 1
     dropout = float(module.dropout) if module.training else 0.0
     backend = {} if patch.backend is None else {"backend": patch.backend}
     bias = _shared_bias(patch.local_bias, patch.first.relative_attention_bias.weight)
     call = dict(
-        bias=bias, mask=real[:, None, None, :] if padded else None, convention="t5", query_start=0, key_start=0,
+        bias=bias, mask=real[:, None, None, :kept] if padded else None, convention="t5", query_start=0, key_start=0,
         window=(module.local_radius, module.local_radius), dropout_p=dropout, **backend,
     )
+    q_kept, k_kept, v_kept = query[:, :, :kept], key[:, :, :kept], value[:, :, :kept]
     if local:
-        out = attention(query, key, value, **call)  # (B, H, N, D)
+        out = attention(q_kept, k_kept, v_kept, **call)  # (B, H, kept, D)
     else:
-        out_local, lse_local = attention(query, key, value, return_lse=True, **call)
-        mask2d = mask if mask is not None else None
+        out_local, lse_local = attention(q_kept, k_kept, v_kept, return_lse=True, **call)
         out_global, lse_global, side, segments = _global_part(
-            module, patch, hidden_states, query, mask2d, dropout, backend
+            module, patch, hidden_states, q_kept, mask, dropout, backend
         )
         out, _ = merge_partials(out_local, lse_local, out_global, lse_global)
     if padded:  # rows of padding: transformers' values and gradients (module docstring)
+        out = nn.functional.pad(out, (0, 0, 0, n - kept))  # rows past ``kept``: padding, set below
         e, i = (~real).nonzero(as_tuple=True)
         rows = _padding_rows(module, patch, query, key, value, real,
                              None if local else side, None if local else segments)
