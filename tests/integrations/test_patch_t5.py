@@ -253,6 +253,16 @@ def test_table_changes_reach_the_patched_model(hf):
 
 def test_errors(hf, monkeypatch):
     model = hf.tiny_model("t5")
+    from relbias.integrations.longt5 import patch_longt5
+    from relbias.integrations.mpnet import patch_mpnet
+    from relbias.integrations.transformers import patch, unpatch
+
+    for function in (patch, unpatch, patch_t5, unpatch_t5, patch_longt5, patch_mpnet):
+        with pytest.raises(TypeError, match=r"expected a torch.nn.Module \(the model, not its name: load it first, "
+                                            r"e.g. transformers.AutoModelForSeq2SeqLM.from_pretrained\('t5-small'\)"):
+            function("t5-small")
+    with pytest.raises(TypeError, match="expected a torch.nn.Module .*got dict"):
+        patch({"model": model})
     with pytest.raises(TypeError, match="found no T5-family stack in Linear"):
         patch_t5(torch.nn.Linear(2, 2))
     with pytest.raises(ValueError, match="unknown backend 'nope'"):

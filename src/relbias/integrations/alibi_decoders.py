@@ -45,7 +45,7 @@ from .alibi_common import (  # noqa: F401 - re-exported (pickles made before the
     dropout_probability,
     replace_forwards,
 )
-from .common import check_backend, check_transformers_version
+from .common import check_backend, check_model, check_transformers_version
 from .patches import find_patches, patched_already
 
 __all__ = [
@@ -116,6 +116,7 @@ def patch_alibi(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             was patched, a base model patched through its head, or the same model twice): nothing changes
             (:mod:`relbias.integrations.patches`).
     """
+    check_model(model, "patch_alibi")
     found = alibi_decoder(model)
     if found is None:
         raise TypeError(f"{type(model).__name__} holds no transformers BLOOM, MPT or Falcon model")

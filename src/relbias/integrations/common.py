@@ -16,7 +16,10 @@ from torch import nn
 from .. import functional
 from ..backends import BACKENDS
 
-__all__ = ["SUPPORTED_TRANSFORMERS", "backend_names", "check_backend", "check_transformers_version", "first_instance"]
+__all__ = [
+    "SUPPORTED_TRANSFORMERS", "backend_names", "check_backend", "check_model", "check_transformers_version",
+    "first_instance",
+]
 
 #: Range of transformers versions the patches support, as a pip specifier: the attention-interface / ``cache`` /
 #: ``compute_bias(..., past_seen_tokens)`` layout of ``modeling_t5``. Tested with 5.24.0 and 5.25.0.
@@ -70,6 +73,21 @@ def check_backend(backend: str | None) -> None:
     """
     if backend is not None and backend not in backend_names():
         raise ValueError(f"unknown backend {backend!r}; available: {sorted(backend_names())} (or None for the default)")
+
+
+def check_model(model: object, function: str) -> None:
+    """Check that ``model``, handed to ``function`` (e.g. ``"patch"``), is a ``torch.nn.Module``.
+
+    Raises:
+        TypeError: anything else; a string (a checkpoint's name) is told how to load the model first.
+    """
+    if isinstance(model, nn.Module):
+        return
+    hint = "a model object, e.g. from transformers' from_pretrained"
+    if isinstance(model, str):
+        hint = (f"the model, not its name: load it first, e.g. transformers.AutoModelForSeq2SeqLM.from_pretrained"
+                f"({model!r}) or the Auto class of its task, and pass that")
+    raise TypeError(f"{function}: expected a torch.nn.Module ({hint}); got {type(model).__name__} {model!r:.80}")
 
 
 def first_instance(model: nn.Module, modeling: str, class_name: str) -> nn.Module | None:

@@ -53,7 +53,7 @@ from torch import nn
 from ..biases.t5 import T5Bias
 from ..distributed.merge import merge_partials
 from ..functional import attention
-from .common import check_backend, check_transformers_version
+from .common import check_backend, check_model, check_transformers_version
 from .patches import find_patches, patched_already
 from .t5_attention import _PatchState, install_stack, restore
 
@@ -371,6 +371,7 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         UserWarning: ``model`` is, or holds, a model patched already with this backend (the same model twice, or a
             wrapper of a patched model): nothing changes (:mod:`relbias.integrations.patches`).
     """
+    check_model(model, "patch_longt5")
     check_transformers_version()
     holder = longt5_holder(model)
     if holder is None:

@@ -32,7 +32,7 @@ from ..functional import attention, attention_with_weights
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .compiled_masks import compiled_hf_attention
 from .masks import relbias_mask_from_hf
-from .common import check_backend, first_instance
+from .common import check_backend, check_model, first_instance
 from .patches import find_patches, patched_already
 
 __all__ = ["MPNET_BUCKETS", "MPNET_MAX_DISTANCE", "is_mpnet_patched", "mpnet_encoder", "patch_mpnet", "unpatch_mpnet"]
@@ -132,6 +132,7 @@ def patch_mpnet(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             was patched, a base model patched through its head, or the same model twice): nothing changes
             (:mod:`relbias.integrations.patches`).
     """
+    check_model(model, "patch_mpnet")
     encoder = mpnet_encoder(model)
     if encoder is None:
         raise TypeError(f"{type(model).__name__} holds no transformers MPNetEncoder; patch_mpnet patches MPNet models")

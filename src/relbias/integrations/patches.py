@@ -22,6 +22,8 @@ from typing import Callable, NamedTuple
 
 from torch import nn
 
+from .common import check_model
+
 __all__ = ["Found", "find_patches", "patched_already", "where"]
 
 
@@ -44,7 +46,11 @@ def find_patches(model: nn.Module, attribute: str, is_state: Callable[[object], 
 
     Returns:
         one :class:`Found` per module of ``model.named_modules()`` (``model`` first) holding a state, in that order.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (:func:`relbias.integrations.common.check_model`).
     """
+    check_model(model, "relbias' patch, unpatch and is_patched functions")
     return [Found(path, module, module.__dict__[attribute]) for path, module in model.named_modules()
             if is_state(module.__dict__.get(attribute))]
 

@@ -33,7 +33,7 @@ import inspect
 
 from torch import nn
 
-from .common import SUPPORTED_TRANSFORMERS, check_backend, check_transformers_version
+from .common import SUPPORTED_TRANSFORMERS, check_backend, check_model, check_transformers_version
 from .loading import self_attention_modules, t5_biases_from_model
 from .patches import find_patches, patched_already
 from .t5_attention import (  # noqa: F401 - re-exported (the T5 patch's names; the private ones for pickles)
@@ -255,6 +255,7 @@ def patch_t5(
             ``process_group`` (a head whose base model was patched, a base model patched through its head, or the
             same model twice): nothing changes (:mod:`relbias.integrations.patches`).
     """
+    check_model(model, "patch_t5")
     check_transformers_version()
     holder, attention_cls = _stack_holder(model)
     _check_layout(attention_cls)

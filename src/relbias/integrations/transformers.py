@@ -26,6 +26,7 @@ from .common import (  # noqa: F401 - re-exported (and the private names, for co
     _backend_names,
     _check_backend,
     _first_instance,
+    check_model,
     check_transformers_version,
 )
 from .t5 import (  # noqa: F401 - re-exported; the private classes keep pickles made before the move loadable
@@ -85,7 +86,8 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         ``model``, patched.
 
     Raises:
-        TypeError: no architecture relbias patches in ``model`` (the message lists them); and the errors of the
+        TypeError: ``model`` is not a ``torch.nn.Module`` (a checkpoint's name, say: the message says how to load
+            it); no architecture relbias patches in ``model`` (the message lists them); and the errors of the
             patch that applies (e.g. a Falcon with rotary embeddings).
         ValueError: as that patch (unknown backend, patched already with another backend, ...).
 
@@ -99,6 +101,7 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     from .mpnet import mpnet_encoder, patch_mpnet
     from .t5 import t5_stacks
 
+    check_model(model, "patch")
     check_transformers_version()
     if longt5_holder(model) is not None:
         return patch_longt5(model, backend=backend)
@@ -129,12 +132,14 @@ def unpatch(model: nn.Module) -> nn.Module:
         ``model``, unpatched.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``.
         ValueError: ``model`` neither is nor holds a model patched by relbias.
     """
     from .alibi_decoders import is_alibi_patched, unpatch_alibi
     from .longt5 import is_longt5_patched, unpatch_longt5
     from .mpnet import is_mpnet_patched, unpatch_mpnet
 
+    check_model(model, "unpatch")
     undone = False
     for patched, undo in ((is_longt5_patched, unpatch_longt5), (is_patched, unpatch_t5),
                           (is_mpnet_patched, unpatch_mpnet), (is_alibi_patched, unpatch_alibi)):
