@@ -21,23 +21,36 @@ from .call import AttentionCall, make_call
 __all__ = ["choose_backend", "explain_backend", "resolve_backend"]
 
 
+def _window_note(call: AttentionCall) -> str:
+    """The window of ``call`` in words ("" without one)."""
+    if call.window is None:
+        return ""
+    left, right = (("any number" if side is None else f"at most {side}") for side in call.window)
+    return f"; window={call.window}: each query sees {left} of the keys before it and {right} after it"
+
+
+def _reason(backend: Backend, call: AttentionCall, passed: list[str]) -> str:
+    """The pick and its reason on the first line, then each backend passed over on its own line."""
+    first = f"{backend.name}: {backend.explain(call)}{_window_note(call)}"
+    return "\n".join([first, *(f"not {why}" for why in passed)])
+
+
 def choose_backend(call: AttentionCall) -> tuple[Backend, str]:
-    """The backend "auto" runs for ``call``, and a sentence saying why (including why earlier ones in
-    priority order were passed over)."""
+    """The backend "auto" runs for ``call``, and why: ``"name: reason"`` on the first line (with the window, if
+    any), then one line ``"not other: reasons"`` for each backend before it in priority order."""
     passed = []
     for backend in BACKENDS.values():
         # auto's own reasons first: they are cheap, and a backend auto passes over anyway need not run its
         # costlier checks (flex's one-time compiled probe, the scan of hidden keys)
         reasons = backend.auto_reasons(call) or backend.unsupported_reasons(call)
         if not reasons:
-            why = backend.explain(call)
-            return backend, why + (f" (not {'; not '.join(passed)})" if passed else "")
+            return backend, _reason(backend, call, passed)
         passed.append(f"{backend.name}: {'; '.join(reasons)}")
-    raise ValueError(f"no registered backend can run this call: {'; '.join(passed)}")
+    raise ValueError("no registered backend can run this call:\n" + "\n".join(passed))
 
 
 def resolve_backend(name: str, call: AttentionCall) -> tuple[Backend, str]:
-    """``(backend, reason)`` for "auto" or a named backend.
+    """``(backend, reason)`` for "auto" or a named backend (a named one's reason: its first line alone).
 
     Raises:
         ValueError: an unknown name, or a named backend that cannot run ``call`` (the message lists why).
@@ -50,7 +63,7 @@ def resolve_backend(name: str, call: AttentionCall) -> tuple[Backend, str]:
     reasons = backend.unsupported_reasons(call)
     if reasons:
         raise ValueError(f"backend {name!r} cannot run this call: {'; '.join(reasons)}")
-    return backend, backend.explain(call)
+    return backend, _reason(backend, call, [])
 
 
 def explain_backend(
@@ -86,8 +99,9 @@ def explain_backend(
             global RNG), so asking does not change the masks that later calls draw.
 
     Returns:
-        (name, reason): the backend that runs the call and a sentence saying why (for "auto", also why
-        each backend before it in priority order was passed over).
+        (name, reason): the backend that runs the call, and why: a first line ``"name: reason"`` (naming the
+        window when there is one); for "auto", then one line ``"not other: reasons"`` for each backend before it in
+        priority order, which auto passed over.
 
     Raises:
         ValueError: unknown backend, a named backend that cannot run this call (the message says why),

@@ -192,3 +192,21 @@ def test_explain_backend_names_the_backend_that_runs_a_training_call(monkeypatch
     assert ran == [name]
     native = _toeplitz_native.native_unavailable_reason() is None
     assert name == ("toeplitz" if native or "dropout_p" not in kwargs else "blockwise")
+
+
+def test_the_reason_gives_the_pick_first_then_each_refusal_on_its_own_line():
+    qkv = _qkv(n=512)
+    bias = relbias.T5Bias(8)
+    name, reason = relbias.explain_backend(*qkv, bias=bias, mask=torch.zeros(1, 1, 512, 512))  # float: blockwise
+    first, *passed = reason.split("\n")
+    assert name == "blockwise" and first.startswith("blockwise: ") and "window" not in first
+    assert [line.split(":")[0] for line in passed] == ["not decode", "not triton", "not flex", "not toeplitz",
+                                                       "not structured"]
+    name, reason = relbias.explain_backend(*qkv, bias=bias, window=(127, None))
+    first = reason.split("\n")[0]
+    assert first.startswith(f"{name}: ")
+    assert first.endswith("; window=(127, None): each query sees at most 127 of the keys before it and any number "
+                          "after it")
+    named = relbias.explain_backend(*qkv, bias=bias, window=(3, 0), backend="blockwise")[1]
+    assert named == "blockwise: " + relbias.backends.BACKENDS["blockwise"].summary + (
+        "; window=(3, 0): each query sees at most 3 of the keys before it and at most 0 after it")
