@@ -130,3 +130,24 @@ def test_attn_mask_is_sdpas_name_for_mask_with_sdpas_meaning():
         assert relbias.explain_backend(q, k, v, attn_mask=attn_mask) == relbias.explain_backend(q, k, v, mask=attn_mask)
     with pytest.raises(TypeError, match="both mask= and attn_mask=.*True = may attend"):
         relbias.attention(q, k, v, mask=keep, attn_mask=keep)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise", "decode", "auto"])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_a_float_mask_of_another_dtype_is_added_in_the_computations_dtype(backend, query_dtype, mask_dtype):
+    """As documented (SDPA's attn_mask raises for these instead): the mask's values in float32 (float64 for float64
+    inputs), the output in the query's dtype. The mask's finite values are exact in every dtype tested, so the
+    results equal the float32 (float64) mask's up to the backend's summation order."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 5, 8, generator=g).to(query_dtype) for _ in range(3))
+    mask = torch.zeros(1, 1, 5, 5)
+    mask[..., 1] = float("-inf")
+    mask[..., 3] = -0.5
+    compute = torch.float64 if query_dtype == torch.float64 else torch.float32
+    bias = relbias.T5Bias(2)
+    with torch.no_grad():  # decode runs inference only
+        got = relbias.attention(q, k, v, mask=mask.to(mask_dtype), bias=bias, backend=backend)
+        want = relbias.attention(q, k, v, mask=mask.to(compute), bias=bias, backend=backend)
+    assert got.dtype == query_dtype
+    torch.testing.assert_close(got, want, atol=1e-2 if query_dtype == torch.bfloat16 else 1e-6, rtol=0)

@@ -59,7 +59,10 @@ def attention(
         bias: ``None``; a :class:`relbias.RelativeBias` module (T5Bias, PerOffsetBias, FunctionBias ...),
             evaluated at the block's offsets; or a float tensor broadcastable to (B, H, Lq, Lk), logits.
         mask: ``None``; bool broadcastable to (B, H, Lq, Lk), True = may attend; or float, additive,
-            with -inf for masked keys. A masked key gets exactly zero weight whatever its score.
+            with -inf for masked keys, in any floating dtype: it is added in the computation's dtype (float32 for
+            float32, bfloat16 and float16 inputs, float64 for float64), so a float64 or float16 mask with float32
+            inputs is cast to float32 (SDPA's ``attn_mask`` raises there; pass ``mask.to(query.dtype)`` to match
+            it). A masked key gets exactly zero weight whatever its score.
         is_causal: hide future keys (offset < 0) under the alignment above.
         scale: multiplier of the scores; default ``1 / sqrt(D)`` for "seed" and "additive"; an explicit
             value (e.g. 1.0) is honoured. Must be 1 or None for "t5".
