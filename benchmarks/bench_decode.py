@@ -226,7 +226,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200, help="timed calls per method (median reported)")
     parser.add_argument("--loop", type=int, default=0, metavar="N",
                         help="also time N calls in a row per method, best of 7 runs (default 0: not)")
-    parser.add_argument("--inputs", type=int, nargs="*", default=[512, 4096], help="input tokens for generate")
+    parser.add_argument("--inputs", type=int, nargs="*", default=[512, 4096], help="input tokens for generate (default 512 4096; the flag alone: no generation, the kernel "
+                             "table only)")
     parser.add_argument("--models", nargs="+", choices=("t5", "bloom"), default=["t5", "bloom"],
                         help="model families for generate (default both)")
     parser.add_argument("--new-tokens", type=int, default=32, help="greedy new tokens per generate")
