@@ -166,7 +166,7 @@ def _padding_rows(module, patch, query, key, value, real, side=None, segments=No
         rows = by_block(query)[e, :, c + 1]  # (m, H, r + 1, D)
         scores = rows @ slots(key).transpose(-1, -2) + patch.first.compute_bias(block)[0]  # (m, H, r + 1, S)
         values = slots(value)
-        if side is not None:
+        if side is not None and side[0].shape[2]:  # no summary below one global block: the side table gets no grad
             side_key, side_value = side[0][e], side[1][e]  # (m, H, G, D)
             distance = torch.arange(side_key.shape[2], device=c.device) + 1  # block id of padding: -1
             buckets = module._relative_position_bucket(
