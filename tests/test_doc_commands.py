@@ -44,8 +44,8 @@ def _commands() -> list[tuple[str, list[str]]]:
                 part = re.sub(r"^(\S+=\S+\s+)+", "", part.strip())  # environment assignments
                 if part.startswith(".venv/bin/"):
                     part = part[len(".venv/bin/"):]
-                if "..." not in part and part.startswith(("python benchmarks/", "python examples/", "relbias ", "python -m pytest",
-                                    "torchrun ")):
+                prefixes = ("python benchmarks/", "python examples/", "relbias ", "python -m pytest", "torchrun ")
+                if "..." not in part and part.startswith(prefixes):
                     found.append((f"{page.relative_to(ROOT)}: {part}", _words(part)))
     return found
 
