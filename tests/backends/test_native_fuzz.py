@@ -308,3 +308,69 @@ def test_the_half_precision_forward_matches_the_float64_formula(c, half):
     torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=0)
     atol, rtol = rounding_tolerance(ref_lse, n=max(c.d, c.lk, 1), dtype=torch.float32, scale=smax + max_abs(ref_lse))
     torch.testing.assert_close(lse.double(), ref_lse, atol=atol, rtol=rtol)
+
+
+@SETTINGS
+@given(c=problems(), half=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16]))
+def test_the_half_precision_backward_matches_the_float64_formula(c, half):
+    """The backward entry point with half-precision dout, q, k, v and out (lse, grad_lse, w and the key padding
+    float32): dq, dk, dv (in the dtype; P and dS rounded to it for their GEMMs) and the bias table's gradient
+    (float32) against the float64 formula's on the same rounded inputs, within the dtype's rounding at the
+    gradients' scale."""
+    c.dtype = half
+    g, q, k, v, keep, visible, z, offsets = _setup(c)
+    m = c.lq + c.lk - 1
+    w = torch.randn(c.hb, m, generator=g, dtype=torch.float64).mul_(c.bias_size).float()
+    if c.is_causal:
+        w[:, max(0, c.lq + c.delta):] = float("-inf")
+    kpad = _additive(keep, torch.float32)
+    settings_ = (c.dropout[0], c.dropout[1], c.dropout[2], c.dropout[3], *c.window)
+    before = _threads(c.threads)
+    try:
+        out, lse = NATIVE.toeplitz_forward(q, k, v, w, c.scale, c.delta, c.is_causal, c.tiles[0], c.tiles[1],
+                                           c.blas, kpad, *settings_)
+        dout = _laid_out(torch.randn(out.shape, generator=g, dtype=torch.float64).to(half), c.layouts[3])
+        glse = torch.randn(lse.shape, generator=g, dtype=torch.float64).float().masked_fill(lse == -torch.inf, 0)
+        grads = NATIVE.toeplitz_backward(dout, q, k, v, _laid_out(out, c.layouts[4]), lse, glse, w, c.scale,
+                                         c.delta, c.is_causal, c.tiles[2], c.blas, kpad, *settings_)
+    except RuntimeError as error:  # a libtorch without MKL's half-precision GEMM refuses by name
+        assert "half-precision GEMM" in str(error)
+        return
+    finally:
+        torch.set_num_threads(before)
+    assert [t.dtype for t in grads] == [half, half, half, torch.float32]
+    q64, k64, v64, w64 = (_leaf(t) for t in (q, k, v, w))
+    gathered = lambda t: t[:, c.lq - 1 + offsets][None]  # noqa: E731 - (1, Hb, Lq, Lk)
+    ref_out, ref_lse, p, smax = reference(q64, k64, v64, gathered(w64), keep, visible, c.scale, z)
+    loss = (dout.double() * ref_out).sum() + (glse.double() * ref_lse.masked_fill(ref_lse == -torch.inf, 0)).sum()
+    want = [ref_out.detach(), ref_lse.detach(), *torch.autograd.grad(loss, (q64, k64, v64, w64), allow_unused=True,
+                                                                     materialize_grads=True)]
+    read = torch.zeros(max(m, 0), dtype=torch.bool)
+    read[(c.lq - 1 + offsets)[visible]] = True  # the offsets some visible pair reads; the rest is unspecified
+    got = [out, lse, *grads[:3], grads[3].masked_fill(~read, 0)]
+    want[5] = want[5].masked_fill(~read, 0)
+    bounds = _half_gradient_bounds(half, c.scale, q64.detach(), k64.detach(), v64.detach(), dout.double(),
+                                   out.double(), glse.double(), p, z, gathered, w64)
+    for name, g_, w_, bound in zip(["dq", "dk", "dv", "bias"], got[2:], want[2:], bounds):
+        terms = max_abs(bound) / torch.finfo(half).eps + max_abs(w_)  # the products' scale
+        rounded = 0.5 * torch.finfo(half).eps * w_.abs() if name != "bias" else 0.0  # the result in the dtype
+        excess = (g_.double() - w_).abs() - bound - rounded - 1e-4 * terms  # 1e-4: float32 sums of <= 300 terms
+        assert max(excess.max().item() if excess.numel() else 0.0, 0.0) == 0, f"{name}: {excess.max():.3g} past"
+
+
+def _half_gradient_bounds(half, scale, q, k, v, dout, out, glse, p, z, gathered, table):
+    """Elementwise bounds on a half-precision backward's dq, dk, dv and bias-table gradient against the float64
+    formula: P and dS rounded to the dtype for their GEMMs (relative eps / 2 each; eps is used), and D = dO . out
+    read from the rounded output (its error reaches dS, so every gradient, through p)."""
+    eps, s = torch.finfo(half).eps, abs(scale)
+    pz = p if z is None else p * z
+    dp = dout @ v.transpose(-2, -1)
+    d = (dout * out).sum(-1, keepdim=True) - glse[..., None]
+    ds = p * ((dp if z is None else dp * z) - d)
+    dd = p * eps * (dout.abs() * out.abs()).sum(-1, keepdim=True)  # the rounded output's share of D, through p
+    bq = s * (eps * ds.abs() + dd) @ k.abs()
+    bk = s * (eps * ds.abs() + dd).transpose(-2, -1) @ q.abs()
+    bv = eps * pz.abs().transpose(-2, -1) @ dout.abs()
+    diagonals = torch.zeros_like(table).requires_grad_()
+    (bw,) = torch.autograd.grad((gathered(diagonals) * dd).sum(), diagonals)  # dd summed per offset
+    return bq, bk, bv, bw

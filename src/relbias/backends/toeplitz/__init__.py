@@ -36,10 +36,10 @@ padding are skipped; a query whose keys are all padded gets out 0 and lse -inf.
 
 Requirements (the dispatcher says which fails): an offset-only bias module, no mask or a bool key padding mask,
 no dropout unless the native kernels run, CPU, equal query and value head_dim, int positions (not the tensor
-positions of a compiled static cache). float16 and bfloat16 inputs run the native forward in half precision where
-the CPU has matrix units for them (AMX-BF16, AMX-FP16: :func:`~relbias.backends.toeplitz._native.runs_half`), with
-the bias, scores and softmax in float32; elsewhere, and in the backward, they run on float32 copies (a
-half-precision mask would round the bias).
+positions of a compiled static cache). float16 and bfloat16 inputs run the native forward and backward in half
+precision where the CPU has matrix units for them (AMX-BF16, AMX-FP16:
+:func:`~relbias.backends.toeplitz._native.runs_half`), with the bias, scores, softmax and the bias gradient in
+float32; elsewhere they run on float32 copies (a half-precision mask would round the bias).
 """
 
 from __future__ import annotations
@@ -134,9 +134,10 @@ def toeplitz_attention(
 
     Shapes: query (B, H, Lq, D), key and value (B, H, Lk, D) on CPU -> out (B, H, Lq, D) in the dtype of
     ``query``, lse (B, H, Lq) in float32 (float64 for float64 inputs), -inf (and out 0) for a query that sees
-    no key. float16 and bfloat16 inputs: the forward in half precision where the native kernel runs them
-    (:func:`~relbias.backends.toeplitz._native.runs_half`), else on float32 copies; the backward on float32 copies,
-    its gradients in the inputs' dtype. ``block_q``: query rows per kernel call (tokens),
+    no key. float16 and bfloat16 inputs: the forward and the backward in half precision where the native kernels run
+    them (:func:`~relbias.backends.toeplitz._native.runs_half`; the backward's GEMMs on the inputs with P and dS
+    rounded to the dtype, everything else in float32), else on float32 copies; the gradients in the inputs' dtype
+    (the bias's in its own). ``block_q``: query rows per kernel call (tokens),
     default :data:`BLOCK_Q`; ``tile``: rows and keys per tile of the backward with a bias gradient, default :data:`TILE`.
 
     Precision: the backward recomputes ``p = exp(s - lse)`` from the stored log-sum-exp, which float32 holds to

@@ -133,11 +133,14 @@ def _backward_impl(
     The fused C++ kernel (:mod:`relbias.backends.toeplitz._native`, built on first use: a single tiled pass that
     forms ``dS`` once for all four; its bias gradient is dropped when not wanted, about a tenth of its work). Where
     it cannot be built or ``RELBIAS_NATIVE=0`` is set: without a bias gradient, the CPU flash kernel's own backward
-    per query block; with one, the native kernel's Python version (:mod:`relbias.backends.toeplitz._backward`)."""
+    per query block; with one, the native kernel's Python version (:mod:`relbias.backends.toeplitz._backward`).
+    Half-precision inputs: the native kernel takes them where :func:`~relbias.backends.toeplitz._native.runs_half`
+    (float32 accumulation, P and dS rounded to the dtype for their GEMMs), else they run on float32 copies; dq, dk,
+    dv come back in the inputs' dtype either way."""
     half = query.dtype
-    if half != compute_dtype(half):  # half precision: the backward runs on float32 copies, its results rounded back
+    if half != compute_dtype(half) and not _toeplitz_native.runs_half(half):  # on float32 copies, rounded back
         query, key, value, out = query.float(), key.float(), value.float(), out.float()
-    w = reversed_bias(values, query.dtype, bias_scale, is_causal, delta, key.shape[2])
+    w = reversed_bias(values, compute_dtype(query.dtype), bias_scale, is_causal, delta, key.shape[2])
     do = grad_out.to(out.dtype)
     empty = lse == _NEG_INF
     if grad_lse is not None:

@@ -121,7 +121,7 @@ _half_answers: dict[tuple[torch.dtype, bool], bool] = {}  # (dtype, oneDNN on) -
 
 def takes(query: torch.Tensor) -> bool:
     """Whether the native forward takes a call on ``query``'s dtype and device: CPU float32 / float64, and bfloat16 /
-    float16 where :func:`runs_half` (the backward takes float32 / float64 only)."""
+    float16 where :func:`runs_half` (the forward and the backward)."""
     if not query.is_cpu:  # is_cpu: a decoding step's check, without a device object
         return False
     dtype = query.dtype
@@ -231,11 +231,12 @@ def native_backward(do, query, key, value, out, lse, grad_lse, w, plan, *, blas:
     pass of :func:`backward` has no window, so a windowed call needs the native kernels)."""
     module = _module("backward")
     dtype = query.dtype
-    tensors = [rows_layout(t.to(dtype)) for t in (do, query, key, value, out)] + [lse.to(dtype)]
-    grad_lse = None if grad_lse is None else grad_lse.to(dtype)
+    acc = compute_dtype(dtype)
+    tensors = [rows_layout(t.to(dtype)) for t in (do, query, key, value, out)] + [lse.to(acc)]
+    grad_lse = None if grad_lse is None else grad_lse.to(acc)
     dq, dk, dv, grad_w = module.toeplitz_backward(
-        *tensors, grad_lse, w.to(dtype).contiguous(), float(plan["scale"]), int(plan["delta"]),
-        bool(plan["is_causal"]), int(plan["tile"]), blas, _padding(key_padding, dtype), *_dropout(plan),
+        *tensors, grad_lse, w.to(acc).contiguous(), float(plan["scale"]), int(plan["delta"]),
+        bool(plan["is_causal"]), int(plan["tile"]), blas, _padding(key_padding, acc), *_dropout(plan),
         *_window(plan),
     )
     return dq, dk, dv, grad_w

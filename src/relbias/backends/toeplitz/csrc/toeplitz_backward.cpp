@@ -22,7 +22,9 @@
 // batch (and heads, for a bias shared by every head) in a fixed order afterwards, so results are bit-identical
 // across runs (and across thread counts, as far as the BLAS is: measured so with MKL). GEMMs run inside a task,
 // single-threaded while nested OpenMP is off (the default): sgemm_/dgemm_ that libtorch_cpu exports when built
-// with MKL, else at::addmm_out on tile views. Denormals: flushed on every worker while it runs (FlushDenormals,
+// with MKL, else at::addmm_out on tile views. bfloat16 and float16 inputs: the GEMMs take them as they are (MKL's
+// cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32, float32 accumulation), P and dS rounded to the dtype for the three
+// gradient GEMMs (as FlashAttention's half-precision backward), everything else in float32. Denormals: flushed on every worker while it runs (FlushDenormals,
 // toeplitz_common.h; dS and the GEMMs can meet them); exp's clamp at -87 keeps P normal.
 //
 // One extension module with toeplitz_forward.cpp (the fused forward) and toeplitz_repeat.cpp (a repeated decoding
@@ -80,7 +82,21 @@ inline void probs_and_grads(T* __restrict__ srow, T* __restrict__ prow, T* __res
   }
 }
 
-template <typename T>
+// The rows of a tile's P or dS (bq x bk of T, leading dimension tile) as the GEMMs' In operand: the buffer itself
+// for float and double, else rounded to In into half (as FlashAttention's half-precision backward rounds P and dS).
+template <typename In, typename T>
+inline const In* gemm_operand(const T* src, In* half, int64_t bq, int64_t bk, int64_t tile) {
+  if constexpr (is_half<In>()) {
+    for (int64_t a = 0; a < bq; ++a) round_to<In, T>(src + a * tile, half + a * tile, bk);
+    return half;
+  } else {
+    return src;
+  }
+}
+
+// In: the inputs' element type; T = acc_t<In> holds everything else (scores, P, dS, the bias and its gradient, lse,
+// the dq, dk, dv accumulators): the GEMMs multiply In operands with T accumulation, P and dS rounded to In for theirs.
+template <typename In>
 void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& out, const at::Tensor& lse, const c10::optional<at::Tensor>& grad_lse,
                      const at::Tensor& w, const c10::optional<at::Tensor>& kpad, const DropoutMask& dropout,
@@ -90,12 +106,13 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
   const int64_t Lk = k.size(2), Dv = v.size(3);
   const int64_t Hb = w.size(0), M = w.size(1);
   const int64_t BH = B * H;
+  using T = acc_t<In>;
   const T scale = static_cast<T>(scale_d);
   const T floor = static_cast<T>(kExpFloor), ceiling = exp_ceiling<T>();
   const T neg_inf = -std::numeric_limits<T>::infinity();
   const T keep_scale = static_cast<T>(dropout.keep_scale);
 
-  const Rows<T> do_rows(dout), q_rows(q), k_rows(k), v_rows(v), o_rows(out);  // read in place, any batch/head/row strides
+  const Rows<In> do_rows(dout), q_rows(q), k_rows(k), v_rows(v), o_rows(out);  // read in place, any batch/head/row strides
   const int64_t do_ld = do_rows.ld, q_ld = q_rows.ld, k_ld = k_rows.ld, v_ld = v_rows.ld, o_ld = o_rows.ld;
   const Entries<T> lse_at(lse);
   const KeyPadding<T> pad_rows(kpad, H);
@@ -114,6 +131,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
     const FlushDenormals flush;  // this thread's mode, restored when the chunk is done
     std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile), acc_buf(kSpread * M);
     std::vector<T> keep_buf(kpad.has_value() ? Lk : 0);  // a padding row with padding inside its kept range: 1 or 0
+    std::vector<In> half_buf(is_half<In>() ? tile * tile : 0);  // P, then dS, rounded to In
     T* S = s_buf.data();   // scores, then P
     T* dP = dp_buf.data(); // dO v^T, then dS
     T* acc = acc_buf.data();  // kSpread bias-gradient rows: query i adds into row i % kSpread
@@ -121,11 +139,11 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
       const int64_t hb = Hb == 1 ? 0 : bh % H;
       const T* wr = w_p + hb * M;
       T* gr = rows_p + bh * M;  // the sum of the kSpread rows of acc, once the task's tiles are done
-      const T* qb = q_rows(bh);
-      const T* dob = do_rows(bh);
-      const T* ob = o_rows(bh);
-      const T* kb = k_rows(bh);
-      const T* vb = v_rows(bh);
+      const In* qb = q_rows(bh);
+      const In* dob = do_rows(bh);
+      const In* ob = o_rows(bh);
+      const In* kb = k_rows(bh);
+      const In* vb = v_rows(bh);
       const T* pad = pad_rows(bh);  // nullptr without a key padding mask
       int64_t kbeg = 0, klast = Lk;  // the kept keys' range; the row itself only where padding lies inside it
       const T* keep = nullptr;  // 1 for a kept key, 0 for a padded one, where padding lies inside that range
@@ -155,22 +173,22 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
           row_lse[a] = l;
           if (l == neg_inf) continue;
           any_row = true;
-          const T* dor = dob + i * do_ld;
-          const T* orow = ob + i * o_ld;
+          const In* dor = dob + i * do_ld;
+          const In* orow = ob + i * o_ld;
           T dot = 0;
-          for (int64_t d = 0; d < Dv; ++d) dot += dor[d] * orow[d];
+          for (int64_t d = 0; d < Dv; ++d) dot += static_cast<T>(dor[d]) * static_cast<T>(orow[d]);
           row_d[a] = glse_at ? dot - (*glse_at)(bh, i) : dot;
         }
         if (!any_row) continue;
-        const T* qt = qb + i0 * q_ld;
-        const T* dot_ = dob + i0 * do_ld;
+        const In* qt = qb + i0 * q_ld;
+        const In* dot_ = dob + i0 * do_ld;
         for (int64_t k0 = kfirst; k0 < kend; k0 += tile) {
           const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
           if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // P = 0 for every entry: nothing to add
-          const T* kt = kb + k0 * k_ld;
-          const T* vt = vb + k0 * v_ld;
-          gemm<T>(false, true, bq, bk, Dk, scale, qt, q_ld, kt, k_ld, T(0), S, tile, blas);
-          gemm<T>(false, true, bq, bk, Dv, T(1), dot_, do_ld, vt, v_ld, T(0), dP, tile, blas);
+          const In* kt = kb + k0 * k_ld;
+          const In* vt = vb + k0 * v_ld;
+          gemm<In, T>(false, true, bq, bk, Dk, scale, qt, q_ld, kt, k_ld, T(0), S, tile, blas);
+          gemm<In, T>(false, true, bq, bk, Dv, T(1), dot_, do_ld, vt, v_ld, T(0), dP, tile, blas);
           for (int64_t a = 0; a < bq; ++a) {
             const int64_t i = i0 + a;
             T* __restrict__ srow = S + a * tile;
@@ -201,9 +219,11 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
               prow[j] = T(0);
             }
           }
-          gemm<T>(true, false, bk, Dv, bq, T(1), S, tile, dot_, do_ld, T(1), dvb + k0 * Dv, Dv, blas);
-          gemm<T>(false, false, bq, Dk, bk, scale, dP, tile, kt, k_ld, T(1), dqb + i0 * Dk, Dk, blas);
-          gemm<T>(true, false, bk, Dk, bq, scale, dP, tile, qt, q_ld, T(1), dkb + k0 * Dk, Dk, blas);
+          const In* p_in = gemm_operand<In, T>(S, half_buf.data(), bq, bk, tile);
+          gemm<In, T>(true, false, bk, Dv, bq, T(1), p_in, tile, dot_, do_ld, T(1), dvb + k0 * Dv, Dv, blas);
+          const In* ds_in = gemm_operand<In, T>(dP, half_buf.data(), bq, bk, tile);  // P's rounding is used: reuse
+          gemm<In, T>(false, false, bq, Dk, bk, scale, ds_in, tile, kt, k_ld, T(1), dqb + i0 * Dk, Dk, blas);
+          gemm<In, T>(true, false, bk, Dk, bq, scale, ds_in, tile, qt, q_ld, T(1), dkb + k0 * Dk, Dk, blas);
         }
       }
       for (int64_t r = 0; r < kSpread; ++r) {  // fixed order; acc zeroed for the next (b, h)
@@ -236,10 +256,12 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 }  // namespace
 
 // (dq, dk, dv, grad_w) for the toeplitz forward; see the file's head. Shapes: dout, q, out (B, H, Lq, D·);
-// k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; CPU tensors of one dtype,
-// float32 or float64: dout, q, k, v, out with unit stride along D (other strides read in place), lse and grad_lse any
-// strides, w contiguous. Outputs contiguous, in that dtype. blas: call the exported BLAS directly
-// (when present) instead of at::addmm_out. kpad, dropout_p, seed, query_start, key_start, window_left,
+// k, v (B, H, Lk, D·); lse and grad_lse (B, H, Lq); w (Hb, Lq + Lk - 1) with Hb 1 or H; CPU tensors: dout, q, k, v,
+// out of one dtype, float32, float64, bfloat16 or float16, with unit stride along D (other strides read in place);
+// lse, grad_lse (any strides), w (contiguous) and kpad in its accumulation dtype (float32 for the half-precision
+// ones, whose GEMMs need the exported cblas_gemm_*16*16f32). Outputs contiguous: dq, dk, dv in the inputs' dtype
+// (accumulated in float32 for half precision), grad_w in w's. blas: call the exported BLAS directly (when present)
+// instead of at::addmm_out. kpad, dropout_p, seed, query_start, key_start, window_left,
 // window_right: as toeplitz_forward's (out is then the dropped output the forward returned).
 std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
@@ -248,16 +270,17 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
                                           const c10::optional<at::Tensor>& kpad, double dropout_p, int64_t seed,
                                           int64_t query_start, int64_t key_start, int64_t window_left,
                                           int64_t window_right) {
-  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward");
+  const auto dtype = check_qkvw(q, k, v, w, "toeplitz_backward", Layout::kContiguous, /*half_ok=*/true);
+  const auto acc = acc_dtype(dtype);
   TORCH_CHECK(window_left >= -1 && window_right >= -1, "toeplitz_backward: window sides must be >= 0, or -1 (none)");
   const Band band(delta, is_causal, window_left, window_right);
-  check_kpad(kpad, q, k, dtype, "toeplitz_backward");
+  check_kpad(kpad, q, k, acc, "toeplitz_backward");
   TORCH_CHECK(dropout_p >= 0.0 && dropout_p < 1.0, "toeplitz_backward: dropout_p must be in [0, 1)");
   const DropoutMask dropout(dropout_p, seed, query_start, key_start, q.size(1));
   check(dout, "grad_out", dtype, 4, Layout::kRows);
   check(out, "out", dtype, 4, Layout::kRows);
-  check(lse, "lse", dtype, 3, Layout::kAny);
-  if (grad_lse.has_value()) check(*grad_lse, "grad_lse", dtype, 3, Layout::kAny);
+  check(lse, "lse", acc, 3, Layout::kAny);
+  if (grad_lse.has_value()) check(*grad_lse, "grad_lse", acc, 3, Layout::kAny);
   const int64_t B = q.size(0), H = q.size(1), Lq = q.size(2);
   TORCH_CHECK(dout.sizes() == out.sizes() && out.size(0) == B && out.size(1) == H && out.size(2) == Lq &&
                   out.size(3) == v.size(3), "toeplitz_backward: grad_out and out must be (B, H, Lq, Dv)");
@@ -267,13 +290,18 @@ std::vector<at::Tensor> toeplitz_backward(const at::Tensor& dout, const at::Tens
   const int64_t big = std::numeric_limits<int>::max();
   blas = blas && have_blas(dtype) && q.size(3) < big && v.size(3) < big && tile < big;
   for (const at::Tensor* t : {&dout, &q, &k, &v, &out}) blas = blas && t->stride(2) < big;  // int leading dimensions
-  // contiguous whatever the inputs' strides (zeros_like keeps a permuted input's strides; the indexing below does not)
-  at::Tensor dq = at::zeros(q.sizes(), q.options()), dk = at::zeros(k.sizes(), k.options());
-  at::Tensor dv = at::zeros(v.sizes(), v.options()), grad_w = at::empty_like(w);
-  AT_DISPATCH_FLOATING_TYPES(dtype, "toeplitz_backward", [&] {
+  TORCH_CHECK(blas || acc == dtype, "toeplitz_backward: ", dtype, " needs the exported half-precision GEMM with "
+              "int-sized leading dimensions (relbias runs it on float32 copies elsewhere)");
+  // contiguous whatever the inputs' strides (zeros_like keeps a permuted input's strides; the indexing below does not);
+  // accumulated in acc, returned in the inputs' dtype
+  const auto options = q.options().dtype(acc);
+  at::Tensor dq = at::zeros(q.sizes(), options), dk = at::zeros(k.sizes(), options);
+  at::Tensor dv = at::zeros(v.sizes(), options), grad_w = at::empty_like(w);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "toeplitz_backward", [&] {
     backward_kernel<scalar_t>(dout, q, k, v, out, lse, grad_lse, w, kpad, dropout, scale, band, tile, blas, dq, dk,
                               dv, grad_w);
   });
+  if (acc != dtype) return {dq.to(dtype), dk.to(dtype), dv.to(dtype), grad_w};
   return {dq, dk, dv, grad_w};
 }
 
