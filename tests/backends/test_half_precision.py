@@ -136,8 +136,9 @@ def test_bfloat16_dropout_draws_the_reference_mask():
 @amx_bf16
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_bfloat16_gradients_within_flash_rule(is_causal):
-    """The backward (the native kernel in bfloat16, P and dS rounded for its GEMMs): dq, dk, dv within the rule against SDPA's bfloat16
-    backward with the bias materialised; the bias gradient within bfloat16's resolution of the float64 one."""
+    """The backward (the native kernel in bfloat16, P and dS rounded for its GEMMs): dq, dk, dv within the rule
+    against SDPA's bfloat16 backward with the bias materialised; the bias gradient within bfloat16's resolution of
+    the float64 one."""
     bias, params = family_bias("t5", bidirectional=not is_causal)
     q, k, v = _inputs(120, 120, torch.bfloat16, seed=3)
     grad = torch.randn(B, H, 120, D, generator=torch.Generator().manual_seed(4)).bfloat16()

@@ -24,8 +24,9 @@
 // single-threaded while nested OpenMP is off (the default): sgemm_/dgemm_ that libtorch_cpu exports when built
 // with MKL, else at::addmm_out on tile views. bfloat16 and float16 inputs: the GEMMs take them as they are (MKL's
 // cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32, float32 accumulation), P and dS rounded to the dtype for the three
-// gradient GEMMs (as FlashAttention's half-precision backward), everything else in float32. Denormals: flushed on every worker while it runs (FlushDenormals,
-// toeplitz_common.h; dS and the GEMMs can meet them); exp's clamp at -87 keeps P normal.
+// gradient GEMMs (as FlashAttention's half-precision backward), everything else in float32. Denormals: flushed on
+// every worker while it runs (FlushDenormals, toeplitz_common.h; dS and the GEMMs can meet them); exp's clamp at
+// -87 keeps P normal.
 //
 // One extension module with toeplitz_forward.cpp (the fused forward) and toeplitz_repeat.cpp (a repeated decoding
 // call's entry to it, bound by bind_repeat); the shared helpers (BLAS, GEMM, exp, checks)
