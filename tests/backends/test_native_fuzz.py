@@ -274,20 +274,25 @@ def test_the_custom_ops_match_the_float64_formula(c):
            gathered, smax)
 
 
+def _half_setup(c, half):
+    """``_setup``'s tensors in ``half``, the reversed bias ``w`` (Hb, Lq + Lk - 1) in float32 (-inf at a causal
+    call's future offsets) and the kernels' dropout and window arguments."""
+    c.dtype = half
+    g, q, k, v, keep, visible, z, offsets = _setup(c)
+    w = torch.randn(c.hb, c.lq + c.lk - 1, generator=g, dtype=torch.float64).mul_(c.bias_size).float()
+    if c.is_causal:
+        w[:, max(0, c.lq + c.delta):] = float("-inf")
+    return g, q, k, v, keep, visible, z, offsets, w, (*c.dropout, *c.window)
+
+
 @SETTINGS
 @given(c=problems(), half=st.sampled_from([torch.bfloat16, torch.bfloat16, torch.float16]))
 def test_the_half_precision_forward_matches_the_float64_formula(c, half):
     """The forward entry point with half-precision q, k, v (w and the key padding float32): out within a few units
     of the dtype at the values' scale (P and the output are rounded to it), lse within float32's rounding (scores,
     softmax statistics and bias stay float32)."""
-    c.dtype = half
-    g, q, k, v, keep, visible, z, offsets = _setup(c)
-    m = c.lq + c.lk - 1
-    w = torch.randn(c.hb, m, generator=g, dtype=torch.float64).mul_(c.bias_size).float()
-    if c.is_causal:
-        w[:, max(0, c.lq + c.delta):] = float("-inf")
-    table = w if not c.w_sliced else torch.full((c.hb, m + 5), NAN)[:, 2:m + 2].copy_(w)
-    settings_ = (c.dropout[0], c.dropout[1], c.dropout[2], c.dropout[3], *c.window)
+    g, q, k, v, keep, visible, z, offsets, w, settings_ = _half_setup(c, half)
+    table = w if not c.w_sliced else torch.full((c.hb, w.shape[1] + 5), NAN)[:, 2:w.shape[1] + 2].copy_(w)
     before = _threads(c.threads)
     try:
         out, lse = NATIVE.toeplitz_forward(q, k, v, table, c.scale, c.delta, c.is_causal, c.tiles[0], c.tiles[1],
@@ -317,14 +322,9 @@ def test_the_half_precision_backward_matches_the_float64_formula(c, half):
     float32): dq, dk, dv (in the dtype; P and dS rounded to it for their GEMMs) and the bias table's gradient
     (float32) against the float64 formula's on the same rounded inputs, within the dtype's rounding at the
     gradients' scale."""
-    c.dtype = half
-    g, q, k, v, keep, visible, z, offsets = _setup(c)
-    m = c.lq + c.lk - 1
-    w = torch.randn(c.hb, m, generator=g, dtype=torch.float64).mul_(c.bias_size).float()
-    if c.is_causal:
-        w[:, max(0, c.lq + c.delta):] = float("-inf")
+    g, q, k, v, keep, visible, z, offsets, w, settings_ = _half_setup(c, half)
+    m = w.shape[1]
     kpad = _additive(keep, torch.float32)
-    settings_ = (c.dropout[0], c.dropout[1], c.dropout[2], c.dropout[3], *c.window)
     before = _threads(c.threads)
     try:
         out, lse = NATIVE.toeplitz_forward(q, k, v, w, c.scale, c.delta, c.is_causal, c.tiles[0], c.tiles[1],
