@@ -137,8 +137,8 @@ def test_bfloat16_dropout_draws_the_reference_mask():
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_bfloat16_gradients_within_flash_rule(is_causal):
     """The backward (the native kernel in bfloat16, P and dS rounded for its GEMMs): dq, dk, dv within the rule
-    against SDPA's bfloat16 backward with the bias materialised; the bias gradient within bfloat16's resolution of
-    the float64 one."""
+    against SDPA's bfloat16 backward with the bias materialised; the bias gradient within float32's resolution of the
+    float64 one (bfloat16's would pass with D read from the rounded output)."""
     bias, params = family_bias("t5", bidirectional=not is_causal)
     q, k, v = _inputs(120, 120, torch.bfloat16, seed=3)
     grad = torch.randn(B, H, 120, D, generator=torch.Generator().manual_seed(4)).bfloat16()
@@ -159,8 +159,8 @@ def test_bfloat16_gradients_within_flash_rule(is_causal):
     for a, s, e in zip(ours, sdpa, ref):
         assert a.dtype == torch.bfloat16
         _flash_rule(a, s, e)
-    for a, e in zip(ours_bias, ref_bias):
-        assert (a.double() - e).abs().max().item() <= 4 * torch.finfo(torch.bfloat16).eps * e.abs().max().item()
+    for a, e in zip(ours_bias, ref_bias):  # float32's: the backward's D is its own P's, not the rounded output's
+        assert (a.double() - e).abs().max().item() <= 256 * torch.finfo(torch.float32).eps * e.abs().max().item()
 
 
 @native

@@ -24,7 +24,10 @@
 // single-threaded while nested OpenMP is off (the default): sgemm_/dgemm_ that libtorch_cpu exports when built
 // with MKL, else at::addmm_out on tile views. bfloat16 and float16 inputs: the GEMMs take them as they are (MKL's
 // cblas_gemm_bf16bf16f32 / cblas_gemm_f16f16f32, float32 accumulation), P and dS rounded to the dtype for the three
-// gradient GEMMs (as FlashAttention's half-precision backward), everything else in float32. Denormals: flushed on
+// gradient GEMMs (as FlashAttention's half-precision backward), everything else in float32; and D_i = sum_j (P Z)_ij
+// dP_ij - grad_lse_i from a first pass over the query tile's key tiles (two GEMMs and the exp per tile), not dO . O:
+// the output the forward returned was formed from P rounded to the dtype, and a D that misses this P by that rounding
+// shifts every dS of the row, which the bias gradient sums. Denormals: flushed on
 // every worker while it runs (FlushDenormals, toeplitz_common.h; dS and the GEMMs can meet them); exp's clamp at
 // -87 keeps P normal.
 //
@@ -56,9 +59,10 @@ constexpr int64_t kSpread = 8;
 // One query row's pass over its visible keys j < n: P = exp(S + w - lse), the exponent clamped to [floor, ceiling]
 // (Padded: times keep[j], 1 for a key the row may see and 0 for a padded one, so P is exactly 0 there); Dropout: the
 // mask Z regenerated (keep_scale where the key's hash is at least threshold, else 0). Then srow[j] = P Z,
-// prow[j] = dS = P (dP Z - D) and grow[j] += dS. Branch-free in j so that GCC vectorises it: a test of the padding
-// row or a choice between two loads inside the loop left it scalar, and the pass as long as two of the GEMMs.
-template <bool Padded, bool Dropout, typename T>
+// prow[j] = dS = P (dP Z - D) and grow[j] += dS; DotOnly: prow[j] = (P Z)_j dP_j alone (D's terms: row_sum adds
+// them), nothing else written. Branch-free in j so that GCC vectorises it: a test of the padding row or a choice
+// between two loads inside the loop left it scalar, and the pass as long as two of the GEMMs.
+template <bool Padded, bool Dropout, bool DotOnly, typename T>
 inline void probs_and_grads(T* __restrict__ srow, T* __restrict__ prow, T* __restrict__ grow,
                             const T* __restrict__ wrow, const T* __restrict__ keep, int64_t n, T l, T dd, T floor,
                             T ceiling, uint32_t row_hash, uint32_t key_base, uint32_t threshold, T keep_scale) {
@@ -73,14 +77,31 @@ inline void probs_and_grads(T* __restrict__ srow, T* __restrict__ prow, T* __res
       const uint32_t h = mix32(row_hash ^ (key_base + static_cast<uint32_t>(j)));
       const T z = h >= threshold ? keep_scale : T(0);
       dp = dp * z;
-      srow[j] = p * z;
-    } else {
+      if constexpr (!DotOnly) srow[j] = p * z;
+    } else if constexpr (!DotOnly) {
       srow[j] = p;
     }
-    const T ds = p * (dp - dd);
-    prow[j] = ds;
-    grow[j] += ds;
+    if constexpr (DotOnly) {
+      prow[j] = p * dp;
+    } else {
+      const T ds = p * (dp - dd);
+      prow[j] = ds;
+      grow[j] += ds;
+    }
   }
+}
+
+// The sum of x[j], j < n, in T: 64 bytes of lanes (as the forward's exp_sum) combined in a fixed order, then the tail.
+template <typename T>
+inline T row_sum(const T* __restrict__ x, int64_t n) {
+  constexpr int kLanes = 64 / sizeof(T);
+  T part[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) part[l] += x[j + l];
+  T sum = j > 0 ? halve_lanes<kLanes / 2>(part, [](T a, T b) { return a + b; }) : T(0);
+  for (; j < n; ++j) sum += x[j];
+  return sum;
 }
 
 // The rows of a tile's P or dS (bq x bk of T, leading dimension tile) as the GEMMs' In operand: the buffer itself
@@ -130,7 +151,8 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
 
   at::parallel_for(0, BH, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals flush;  // this thread's mode, restored when the chunk is done
-    std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_lse(tile), acc_buf(kSpread * M);
+    std::vector<T> s_buf(tile * tile), dp_buf(tile * tile), row_d(tile), row_e(tile), row_lse(tile);
+    std::vector<T> acc_buf(kSpread * M);
     std::vector<T> keep_buf(kpad.has_value() ? Lk : 0);  // a padding row with padding inside its kept range: 1 or 0
     std::vector<In> half_buf(is_half<In>() ? tile * tile : 0);  // P, then dS, rounded to In
     T* S = s_buf.data();   // scores, then P
@@ -174,6 +196,7 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
           row_lse[a] = l;
           if (l == neg_inf) continue;
           any_row = true;
+          if constexpr (is_half<In>()) continue;  // D from the key tiles below
           const In* dor = dob + i * do_ld;
           const In* orow = ob + i * o_ld;
           T dot = 0;
@@ -183,49 +206,66 @@ void backward_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tens
         if (!any_row) continue;
         const In* qt = qb + i0 * q_ld;
         const In* dot_ = dob + i0 * do_ld;
-        for (int64_t k0 = kfirst; k0 < kend; k0 += tile) {
-          const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
-          if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // P = 0 for every entry: nothing to add
-          const In* kt = kb + k0 * k_ld;
-          const In* vt = vb + k0 * v_ld;
-          gemm<In, T>(false, true, bq, bk, Dk, scale, qt, q_ld, kt, k_ld, T(0), S, tile, blas);
-          gemm<In, T>(false, true, bq, bk, Dv, T(1), dot_, do_ld, vt, v_ld, T(0), dP, tile, blas);
-          for (int64_t a = 0; a < bq; ++a) {
-            const int64_t i = i0 + a;
-            T* __restrict__ srow = S + a * tile;
-            T* __restrict__ prow = dP + a * tile;
-            int64_t jbeg = 0, jend = 0;  // keys k0 + j, jbeg <= j < jend, are visible to query i
-            if (row_lse[a] != neg_inf) band.row(i, Lk, k0, bk, jbeg, jend);
-            const T l = row_lse[a], dd = row_d[a];
-            const T* __restrict__ wrow = wr + (Lq - 1 - i + k0 + jbeg);
-            T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0 + jbeg);
-            const T* keep_row = keep == nullptr ? nullptr : keep + k0 + jbeg;
-            const uint32_t row_hash = dropout.on ? dropout.row(bh, i) : 0u, key_base = dropout.key_base(k0 + jbeg);
-            auto pass = [&](auto padded, auto dropped) {  // the instantiation for this row's padding and dropout
-              probs_and_grads<decltype(padded)::value, decltype(dropped)::value>(
-                  srow + jbeg, prow + jbeg, grow, wrow, keep_row, jend - jbeg, l, dd, floor, ceiling, row_hash,
-                  key_base, dropout.threshold, keep_scale);
-            };
-            if (keep_row != nullptr) {
-              dropout.on ? pass(std::true_type{}, std::true_type{}) : pass(std::true_type{}, std::false_type{});
-            } else {
-              dropout.on ? pass(std::false_type{}, std::true_type{}) : pass(std::false_type{}, std::false_type{});
+        // The key tiles: kDot, D's pass (half precision: D_i = sum_j (P Z)_ij dP_ij - grad_lse_i from the P this
+        // backward forms; dO . O would read the output the forward rounded, P included, and a D off by the dtype's
+        // eps shifts every dS of the row, which the bias gradient sums); else the gradients' pass.
+        auto key_tiles = [&](auto dot_only) {
+          constexpr bool kDot = decltype(dot_only)::value;
+          for (int64_t k0 = kfirst; k0 < kend; k0 += tile) {
+            const int64_t k1 = std::min(kend, k0 + tile), bk = k1 - k0;
+            if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // P = 0 for every entry: nothing to add
+            const In* kt = kb + k0 * k_ld;
+            const In* vt = vb + k0 * v_ld;
+            gemm<In, T>(false, true, bq, bk, Dk, scale, qt, q_ld, kt, k_ld, T(0), S, tile, blas);
+            gemm<In, T>(false, true, bq, bk, Dv, T(1), dot_, do_ld, vt, v_ld, T(0), dP, tile, blas);
+            for (int64_t a = 0; a < bq; ++a) {
+              const int64_t i = i0 + a;
+              T* __restrict__ srow = S + a * tile;
+              T* __restrict__ prow = dP + a * tile;
+              int64_t jbeg = 0, jend = 0;  // keys k0 + j, jbeg <= j < jend, are visible to query i
+              if (row_lse[a] != neg_inf) band.row(i, Lk, k0, bk, jbeg, jend);
+              const T l = row_lse[a], dd = row_d[a];
+              const T* __restrict__ wrow = wr + (Lq - 1 - i + k0 + jbeg);
+              T* __restrict__ grow = acc + (i % kSpread) * M + (Lq - 1 - i + k0 + jbeg);
+              const T* keep_row = keep == nullptr ? nullptr : keep + k0 + jbeg;
+              const uint32_t row_hash = dropout.on ? dropout.row(bh, i) : 0u, key_base = dropout.key_base(k0 + jbeg);
+              auto pass = [&](auto padded, auto dropped) {  // the instantiation for this row's padding and dropout
+                probs_and_grads<decltype(padded)::value, decltype(dropped)::value, kDot>(
+                    srow + jbeg, prow + jbeg, grow, wrow, keep_row, jend - jbeg, l, dd, floor, ceiling, row_hash,
+                    key_base, dropout.threshold, keep_scale);
+              };
+              if (keep_row != nullptr) {
+                dropout.on ? pass(std::true_type{}, std::true_type{}) : pass(std::true_type{}, std::false_type{});
+              } else {
+                dropout.on ? pass(std::false_type{}, std::true_type{}) : pass(std::false_type{}, std::false_type{});
+              }
+              if constexpr (kDot) {
+                row_e[a] += row_sum(prow + jbeg, jend - jbeg);
+                continue;
+              }
+              for (int64_t j = 0; j < jbeg; ++j) {
+                srow[j] = T(0);
+                prow[j] = T(0);
+              }
+              for (int64_t j = jend; j < bk; ++j) {
+                srow[j] = T(0);
+                prow[j] = T(0);
+              }
             }
-            for (int64_t j = 0; j < jbeg; ++j) {
-              srow[j] = T(0);
-              prow[j] = T(0);
-            }
-            for (int64_t j = jend; j < bk; ++j) {
-              srow[j] = T(0);
-              prow[j] = T(0);
-            }
+            if constexpr (kDot) continue;
+            const In* p_in = gemm_operand<In, T>(S, half_buf.data(), bq, bk, tile);
+            gemm<In, T>(true, false, bk, Dv, bq, T(1), p_in, tile, dot_, do_ld, T(1), dvb + k0 * Dv, Dv, blas);
+            const In* ds_in = gemm_operand<In, T>(dP, half_buf.data(), bq, bk, tile);  // P's rounding is used: reuse
+            gemm<In, T>(false, false, bq, Dk, bk, scale, ds_in, tile, kt, k_ld, T(1), dqb + i0 * Dk, Dk, blas);
+            gemm<In, T>(true, false, bk, Dk, bq, scale, ds_in, tile, qt, q_ld, T(1), dkb + k0 * Dk, Dk, blas);
           }
-          const In* p_in = gemm_operand<In, T>(S, half_buf.data(), bq, bk, tile);
-          gemm<In, T>(true, false, bk, Dv, bq, T(1), p_in, tile, dot_, do_ld, T(1), dvb + k0 * Dv, Dv, blas);
-          const In* ds_in = gemm_operand<In, T>(dP, half_buf.data(), bq, bk, tile);  // P's rounding is used: reuse
-          gemm<In, T>(false, false, bq, Dk, bk, scale, ds_in, tile, kt, k_ld, T(1), dqb + i0 * Dk, Dk, blas);
-          gemm<In, T>(true, false, bk, Dk, bq, scale, ds_in, tile, qt, q_ld, T(1), dkb + k0 * Dk, Dk, blas);
+        };
+        if constexpr (is_half<In>()) {
+          std::fill(row_e.begin(), row_e.begin() + bq, T(0));
+          key_tiles(std::true_type{});
+          for (int64_t a = 0; a < bq; ++a) row_d[a] = glse_at ? row_e[a] - (*glse_at)(bh, i0 + a) : row_e[a];
         }
+        key_tiles(std::false_type{});
       }
       for (int64_t r = 0; r < kSpread; ++r) {  // fixed order; acc zeroed for the next (b, h)
         T* __restrict__ src = acc + r * M;

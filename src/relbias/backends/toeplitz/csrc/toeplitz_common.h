@@ -60,9 +60,10 @@ inline T bits_to(typename std::conditional<sizeof(T) == 4, int32_t, int64_t>::ty
 // exp(x) = 2^n p(r) with p a Taylor polynomial (float: degree Degree, 7 by default, relative error < 2e-7, or 5,
 // < 3e-6, for probabilities rounded to bfloat16 (2^-9) or float16 (2^-11) afterwards; double: degree 13, < 1e-16
 // before rounding). Plain arithmetic and bit casts, so GCC vectorises a loop of it at -O3 (no -ffast-math: the
-// rounding trick (t + shifter) - shifter must not be reassociated).
+// rounding trick (t + shifter) - shifter must not be reassociated). Always inlined: a call in the loop keeps it scalar
+// (GCC's inliner gave up on it once the backward's row pass had eight instantiations).
 template <int Degree = 7>
-inline float exp_clamped(float x) {
+__attribute__((always_inline)) inline float exp_clamped(float x) {
   static_assert(Degree >= 1 && Degree <= 7, "a Taylor polynomial of degree 1 to 7");
   constexpr float kInverseFactorial[] = {1.0f, 1.0f, 0.5f, 1.0f / 6.0f, 1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f,
                                          1.0f / 5040.0f};
@@ -77,7 +78,7 @@ inline float exp_clamped(float x) {
   return p * bits_to<float>(e);
 }
 
-inline double exp_clamped(double x) {
+__attribute__((always_inline)) inline double exp_clamped(double x) {
   const double shifter = 6755399441055744.0;  // 1.5 * 2^52
   double t = x * 1.4426950408889634074 + shifter;
   double n = t - shifter;
@@ -146,6 +147,19 @@ using acc_t = at::opmath_type<In>;
 
 template <typename In>
 constexpr bool is_half() { return !std::is_same<In, acc_t<In>>::value; }
+
+// lanes[0] = the kLanes partials combined by op, halved log2(kLanes) times (lane l + width into lane l: a fixed order
+// on every ISA). A template per width, so each level's loop has a constant trip count and the compiler unrolls it
+// into register operations (a loop over the widths kept the partials in memory, with a store and a reload per level).
+template <int Width, typename T, typename Op>
+inline T halve_lanes(T* lanes, Op op) {
+  if constexpr (Width == 0) {
+    return lanes[0];
+  } else {
+    for (int l = 0; l < Width; ++l) lanes[l] = op(lanes[l], lanes[l + Width]);
+    return halve_lanes<Width / 2>(lanes, op);
+  }
+}
 
 // Row-major C (m x n, ldc) = alpha op(A) op(B) + beta C, op(A) (m x k), op(B) (k x n), A and B of In, C of T (In's
 // accumulation type: float for bfloat16 and float16, exact products summed in float32). beta 0: C is not read. blas:

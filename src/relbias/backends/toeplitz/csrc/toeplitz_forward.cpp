@@ -52,19 +52,6 @@ using namespace relbias_toeplitz;
 // (deterministic; vectorised without -ffast-math). Written as `#pragma omp simd reduction` loops inside the task
 // loop instead, both passes ran scalar: the whole forward 2-3x slower, measured at 4096 tokens.
 
-// lanes[0] = the kLanes partials combined by op, halved log2(kLanes) times (lane l + width into lane l: a fixed order
-// on every ISA). A template per width, so each level's loop has a constant trip count and the compiler unrolls it
-// into register operations (a loop over the widths kept the partials in memory, with a store and a reload per level).
-template <int Width, typename T, typename Op>
-inline T halve_lanes(T* lanes, Op op) {
-  if constexpr (Width == 0) {
-    return lanes[0];
-  } else {
-    for (int l = 0; l < Width; ++l) lanes[l] = op(lanes[l], lanes[l + Width]);
-    return halve_lanes<Width / 2>(lanes, op);
-  }
-}
-
 // srow[j] += wrow[j] (Padded: + prow[j], the key padding row, 0 or -inf) for j < n; returns the largest (-inf for
 // n = 0; NaN if any is: a NaN query stays NaN). Masked: the sum only for jbeg <= j < jend, -inf at every other j (keys
 // the row cannot see: their scores, NaN/inf included, are replaced before the maximum), so that exp_sum gives them
