@@ -135,13 +135,13 @@ def _key_mask(module: nn.Module, mask: torch.Tensor | None, length: int, local: 
     return mask != 0
 
 
-def _padding_rows(module, patch, query, key, value, real, side=None, segments=None) -> torch.Tensor:
-    """Outputs (n', H, D) of the rows of padding (``~real``, (B, N) bool, in ``nonzero`` order) as transformers
-    computes them: every score of such a row is ``-1e10`` plus a finite term, so its weights are uniform over the
-    row's slots: its three blocks' ``S = 3 (r + 1)`` slots (zero keys and values past the sequence's ends) and, with
-    TGlobal, every summary. Without gradients, that is the mean of those slots' values, from per-block sums: O(N·D).
-    With gradients, each block holding padding is scored against its slots as transformers does, and the rows take
-    ``softmax(s - s.detach()) v`` (the same values, and softmax's gradient at uniform weights, which reaches queries,
+def _padding_rows(module, patch, query, key, value, real, side=None, segments=None):
+    """``(e, i, out)``: the rows of padding (``~real``, (B, N) bool: batch row ``e`` and position ``i``, (n',) each,
+    in ``nonzero`` order) and their outputs (n', H, D) as transformers computes them: every score of such a row is
+    ``-1e10`` plus a finite term, so its weights are uniform over the row's slots: its three blocks' ``S = 3 (r + 1)``
+    slots (zero keys and values past the sequence's ends) and, with TGlobal, every summary. Without gradients, that is
+    the mean of those slots' values, from per-block sums: O(N·D). With gradients, each block holding padding is scored
+    against its slots as transformers does, and the rows take ``softmax(s - s.detach()) v`` (the same values, and softmax's gradient at uniform weights, which reaches queries,
     keys and both tables): O(n'·(S + N / g)·D). With TGlobal, a sequence with summaries of empty blocks gives its
     padding 0 (those summaries are the only keys it sees; their values are 0)."""
     block = module.block_len
@@ -178,8 +178,10 @@ def _padding_rows(module, patch, query, key, value, real, side=None, segments=No
             values = torch.cat([values, side_value], dim=2)
         scores = scores.float()
         weights = torch.softmax(scores - scores.detach(), dim=-1)  # uniform, with softmax's gradient
-        out = (weights.to(values.dtype) @ values).transpose(1, 2)[padding[e, c]]  # (n', H, D)
-        e = e[:, None].expand(-1, block)[padding[e, c]]
+        held = padding[e, c]  # (m, r + 1): the block's positions that are padding
+        out = (weights.to(values.dtype) @ values).transpose(1, 2)[held]  # (n', H, D)
+        i = (c[:, None] * block + torch.arange(block, device=c.device))[held]
+        e = e[:, None].expand(-1, block)[held]
     else:
         sums = by_block(value).sum(3)  # (B, H, blocks + 2, D)
         total = sums[:, :, :-2] + sums[:, :, 1:-1] + sums[:, :, 2:]  # (B, H, blocks, D): the three blocks' slots
@@ -192,7 +194,7 @@ def _padding_rows(module, patch, query, key, value, real, side=None, segments=No
     if side is not None:
         empty = (segments == 0).any(-1)[e]  # (n',): summaries of empty blocks, which padding sees
         out = torch.where(empty[:, None, None], torch.zeros_like(out), out)
-    return out
+    return e, i, out
 
 
 def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
@@ -331,9 +333,8 @@ def _encoder_forward(module, patch, hidden_states, mask=None, position_bias=None
         out, _ = merge_partials(out_local, lse_local, out_global, lse_global)
     if padded:  # rows of padding: transformers' values and gradients (module docstring)
         out = nn.functional.pad(out, (0, 0, 0, n - kept))  # rows past ``kept``: padding, set below
-        e, i = (~real).nonzero(as_tuple=True)
-        rows = _padding_rows(module, patch, query, key, value, real,
-                             None if local else side, None if local else segments)
+        e, i, rows = _padding_rows(module, patch, query, key, value, real,
+                                   None if local else side, None if local else segments)
         out = out.transpose(1, 2).index_put((e, i), rows.to(out.dtype)).transpose(1, 2)
     out = module.o(out.transpose(1, 2).reshape(b, n, h * d))
     return out, None
