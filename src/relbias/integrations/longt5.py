@@ -136,14 +136,15 @@ def _key_mask(module: nn.Module, mask: torch.Tensor | None, length: int, local: 
 
 
 def _padding_rows(module, patch, query, key, value, real, side=None, segments=None):
-    """``(e, i, out)``: the rows of padding (``~real``, (B, N) bool: batch row ``e`` and position ``i``, (n',) each,
-    in ``nonzero`` order) and their outputs (n', H, D) as transformers computes them: every score of such a row is
-    ``-1e10`` plus a finite term, so its weights are uniform over the row's slots: its three blocks' ``S = 3 (r + 1)``
-    slots (zero keys and values past the sequence's ends) and, with TGlobal, every summary. Without gradients, that is
-    the mean of those slots' values, from per-block sums: O(N·D). With gradients, each block holding padding is scored
-    against its slots as transformers does, and the rows take ``softmax(s - s.detach()) v`` (the same values, and softmax's gradient at uniform weights, which reaches queries,
-    keys and both tables): O(n'·(S + N / g)·D). With TGlobal, a sequence with summaries of empty blocks gives its
-    padding 0 (those summaries are the only keys it sees; their values are 0)."""
+    """``(e, i, out)``: the rows of padding (``~real``, (B, N) bool: batch row ``e`` and position ``i``, (n',) each, in
+    ``nonzero`` order) and their outputs (n', H, D) as transformers computes them: every score of such a row is
+    ``-1e10`` plus a finite term, so its weights are uniform over the row's slots: its three blocks' ``S =
+    3 (r + 1)`` slots (zero keys and values past the sequence's ends) and, with TGlobal, every summary. Without
+    gradients, that is the mean of those slots' values, from per-block sums: O(N·D). With gradients, each block
+    holding padding is scored against its slots as transformers does, and the rows take ``softmax(s - s.detach())
+    v`` (the same values, and softmax's gradient at uniform weights, which reaches queries, keys and both tables):
+    O(n'·(S + N / g)·D). With TGlobal, a sequence with summaries of empty blocks gives its padding 0 (those
+    summaries are the only keys it sees; their values are 0)."""
     block = module.block_len
     b, h, n, d = query.shape
     blocks = -(-n // block)
