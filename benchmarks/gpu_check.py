@@ -240,12 +240,19 @@ def _timed(fn, device, repeats=5):
     return statistics.median(times)
 
 
-def _flex_captured(bias, n: int, causal: bool, device: torch.device):
+def _flex_captured(bias, n: int, causal: bool, device: torch.device, dtype: torch.dtype, grad: bool):
     """FlexAttention with the T5 bias captured as a per-offset vector (its (H, 2n - 1) native values) in score_mod,
-    compiled once per shape; the bias-table gradient flows through the captured vector."""
+    compiled once per shape; the bias-table gradient flows through the captured vector. In half precision with the
+    block sizes the flex backend chooses for the device's shared memory (inductor's defaults can exceed it)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    from relbias.backends.flex import _options
+
     compiled = torch.compile(flex_attention, dynamic=False)
+    memory = _options.shared_memory(device)
+    kernel_options = None
+    if memory is not None and dtype in (torch.float16, torch.bfloat16):
+        kernel_options = _options.choose(memory, dtype, 64, 64, backward=grad)
     block_mask = None
     if causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n, device=device)
@@ -256,7 +263,7 @@ def _flex_captured(bias, n: int, causal: bool, device: torch.device):
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + values[h, q_idx - kv_idx + n - 1].to(score.dtype)
 
-        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0)
+        return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0, kernel_options=kernel_options)
 
     return run
 
@@ -276,7 +283,7 @@ def performance(device: torch.device, small: bool, dtype: torch.dtype, budget: B
             q, k, v = (torch.randn(1, 8, n, 64, device=device, dtype=dtype, requires_grad=grad) for _ in range(3))
             captured = None
             if flex and device.type == "cuda" and n == 8192:
-                captured = _flex_captured(bias, n, causal, device)
+                captured = _flex_captured(bias, n, causal, device, dtype, grad)
 
             def step(method):
                 with torch.set_grad_enabled(grad):

@@ -23,6 +23,9 @@ Never silently wrong: compiled FlexAttention in torch 2.13 returns wrong values 
 (device, dtype, head_dim, value head_dim), the compiled kernel is checked against SDPA on small probe
 problems; where it disagrees, the backend refuses such calls and says why (:func:`kernel_check`).
 
+On a GPU in half precision the kernels get block sizes that fit its shared memory, with one retry at smaller
+blocks when inductor finds no configuration that fits (:mod:`._options`).
+
 Needs ``torch.compile`` for a fused kernel (eager FlexAttention materialises the scores) and, in
 torch 2.13, a device other than CPU for backward. :func:`flex_available` says which applies.
 """
@@ -40,6 +43,7 @@ from ...biases.base import RelativeBias
 from ...call import AttentionCall
 from ...window import kernel_sides
 from . import _blocks as _flex_blocks
+from . import _options as _flex_options
 from ..base import Backend
 from .._shared.reasons import (
     dropout_reasons, empty_axis_reasons, non_finite_reasons, small_block_reasons, tensor_bias_reasons,
@@ -67,6 +71,10 @@ MIN_AVX2_HEAD_DIM = 32
 #: (device type, device index, dtype, head_dim, value head_dim) -> None (the compiled kernel agrees with
 #: SDPA) or the reason it does not.
 _CHECKED: dict[tuple, str | None] = {}
+
+#: (device type, device index, dtype, head_dim, value head_dim, backward) -> the ``kernel_options`` half-precision
+#: calls on that GPU compile with (:mod:`._options`; smaller after a retry).
+_OPTIONS: dict[tuple, dict] = {}
 
 
 def flex_available(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> tuple[bool, str]:
@@ -103,15 +111,53 @@ def _compiled():
     return torch.compile(flex, dynamic=False)
 
 
-def _run(*args, **kwargs):
-    """FlexAttention, compiled (dynamic shapes; a recompile-limit hit raises) or eager when COMPILE is off."""
+def _kernel_options(query: torch.Tensor, value: torch.Tensor, backward: bool) -> tuple[tuple | None, dict | None]:
+    """(key of :data:`_OPTIONS`, kernel_options) for a half-precision call on a GPU; (None, None) elsewhere, where
+    inductor's defaults stay."""
+    if query.dtype not in (torch.float16, torch.bfloat16):
+        return None, None
+    memory = _flex_options.shared_memory(query.device)
+    if memory is None:
+        return None, None
+    key = (query.device.type, query.device.index, query.dtype, query.shape[-1], value.shape[-1], backward)
+    if key not in _OPTIONS:
+        _OPTIONS[key] = _flex_options.choose(memory, query.dtype, query.shape[-1], value.shape[-1], backward)
+    return key, _OPTIONS[key]
+
+
+def _compile_and_call(q, k, v, kernel_options, backward, **kwargs):
+    """The compiled FlexAttention call, the backward lowered with the forward when it will run (so that its compile
+    errors, too, surface here)."""
+    if kernel_options is not None:
+        kwargs["kernel_options"] = kernel_options
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT), \
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=backward):
+        return _compiled()(q, k, v, **kwargs)
+
+
+def _run(q, k, v, *, backward: bool = False, **kwargs):
+    """FlexAttention, compiled (a recompile-limit hit raises) or eager when COMPILE is off.
+
+    On a GPU in half precision the kernels get block sizes that fit its shared memory (:mod:`._options`); a compile
+    that runs out of shared memory anyway is retried once with smaller blocks, which later calls keep. ``backward``:
+    gradients will be asked for (the backward's options are chosen and its compilation checked too)."""
     if not COMPILE:
         from torch.nn.attention.flex_attention import flex_attention as flex
 
-        return flex(*args, **kwargs)
+        return flex(q, k, v, **kwargs)
+    key, options = _kernel_options(q, v, backward)
     try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True, recompile_limit=RECOMPILE_LIMIT):
-            return _compiled()(*args, **kwargs)
+        try:
+            return _compile_and_call(q, k, v, options, backward, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            raise
+        except Exception as error:
+            factor = _flex_options.retry_factor(error) if key is not None else None
+            if factor is None:
+                raise
+            memory = _flex_options.shared_memory(q.device)
+            _OPTIONS[key] = _flex_options.shrink(options, memory, q.dtype, q.shape[-1], v.shape[-1], factor)
+            return _compile_and_call(q, k, v, _OPTIONS[key], backward, **kwargs)
     except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
         raise RuntimeError(
             "compiled FlexAttention hit dynamo's recompile limit; relbias refuses to fall back to eager "
@@ -281,7 +327,8 @@ def flex_attention(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | No
     block_mask = _flex_blocks.block_mask(mask_mod, visible_rows, batch, heads, pq, pk, device)
     has_mod = values is not None or finite is not None
     q, k, v = _pad_to(query, 2, pq), _pad_to(key, 2, pk), _pad_to(value, 2, pk)
-    kwargs = dict(score_mod=score_mod if has_mod else None, block_mask=block_mask, scale=call.scale)
+    kwargs = dict(score_mod=score_mod if has_mod else None, block_mask=block_mask, scale=call.scale,
+                  backward=call.needs_grad)
     if not call.return_lse:  # compiled FlexAttention on CPU has no return_lse in torch 2.13
         return _run(q, k, v, **kwargs)[:, :, :lq], None
     from torch.nn.attention import flex_attention as flex_module
