@@ -169,14 +169,24 @@ def test_compiled_packed_sequences_equal_eager_without_graph_breaks():
 
 
 @pytest.mark.parametrize("dropout_rate", [0.0, 0.1])
-def test_a_compiled_patched_t5_trains_as_eager(dropout_rate):
-    """A tiny T5 patched with backend="triton", three AdamW steps, compiled (aot_eager, fullgraph=True) and eager
-    from the same weights and seed, without dropout and with T5's (its attention dropout inside relbias' kernels):
-    the same losses and parameters. (Compiled, a padding mask reaches relbias whole, as a mask with a query
-    dimension, which triton does not take: such calls run blockwise under auto.)"""
+def test_a_compiled_patched_t5_trains_as_eager(dropout_rate, monkeypatch):
+    """A tiny T5 patched with backend="triton", a batch with one sequence padded, three AdamW steps, compiled
+    (aot_eager, fullgraph=True) and eager from the same weights and seed, without dropout and with T5's (its
+    attention dropout inside relbias' kernels): no graph break, the same losses and parameters, and every attention
+    call of both runs on triton, the encoder's with the (B, 1, 1, Lk) key padding mask transformers' 4D mask
+    becomes (relbias::hf_masked_attention converts it where the compiled graph runs)."""
     transformers = pytest.importorskip("transformers")
+    from relbias.backends.triton import TritonBackend
     from relbias.integrations.transformers import patch
 
+    masks = []
+    forward = TritonBackend.forward
+
+    def spy(self, call):
+        masks.append(None if call.mask is None else tuple(call.mask.shape))
+        return forward(self, call)
+
+    monkeypatch.setattr(TritonBackend, "forward", spy)
     config = transformers.T5Config(vocab_size=32, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_decoder_layers=1,
                                    num_heads=2, relative_attention_num_buckets=8, relative_attention_max_distance=16,
                                    dropout_rate=dropout_rate, decoder_start_token_id=0, pad_token_id=0)
@@ -184,24 +194,29 @@ def test_a_compiled_patched_t5_trains_as_eager(dropout_rate):
     start = transformers.T5ForConditionalGeneration(config)
     gen = torch.Generator().manual_seed(1)
     ids, labels = torch.randint(2, 32, (2, 18), generator=gen), torch.randint(2, 32, (2, 6), generator=gen)
+    attention_mask = torch.ones(2, 18, dtype=torch.long)
+    attention_mask[1, 12:], ids[1, 12:] = 0, 0
+    batch = dict(input_ids=ids, attention_mask=attention_mask, labels=labels)
     runs = []
     for compiled in (False, True):
         model = patch(copy.deepcopy(start).train(), backend="triton")
         step = model.forward
         if compiled:
             torch._dynamo.reset()
-            explained = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+            explained = torch._dynamo.explain(model)(**batch)
             assert explained.graph_break_count == 0, explained.break_reasons
             step = torch.compile(model, fullgraph=True, backend="aot_eager")
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         torch.manual_seed(2)
         losses = []
+        masks.clear()
         for _ in range(3):
-            loss = step(input_ids=ids, labels=labels).loss
+            loss = step(**batch).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
             losses.append(loss.detach())
+        assert sorted(masks, key=str) == sorted([(2, 1, 1, 18), None] * 3, key=str), (compiled, masks)
         runs.append((torch.stack(losses), [p.detach().clone() for p in model.parameters()]))
     torch.testing.assert_close(runs[1][0], runs[0][0], rtol=1e-5, atol=1e-6)
     for got, want in zip(runs[1][1], runs[0][1]):
