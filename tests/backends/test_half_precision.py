@@ -92,18 +92,20 @@ def test_bfloat16_forward_within_flash_rule(family, is_causal, lq, lk):
 
 @native
 @amx_bf16
-@pytest.mark.parametrize("case", ["window", "padding", "lq1"])
+@pytest.mark.parametrize("case", ["window", "padding", "lq1", "long window", "long padding"])
 def test_bfloat16_windows_padding_and_one_query(case):
+    """Windows, padding and one query; "long": more keys than a key tile (512), so that tiles starting where a window
+    or the padding lets them start reach into two of the packed key blocks."""
     bias, _ = family_bias("t5", bidirectional=True)
-    lq, lk = (1, 300) if case == "lq1" else (130, 130)
+    lq, lk = {"lq1": (1, 300), "long window": (1100, 1100), "long padding": (700, 1100)}.get(case, (130, 130))
     q, k, v = _inputs(lq, lk, torch.bfloat16, seed=1)
     kwargs = {}
-    if case == "window":
-        kwargs["window"] = (20, 7)
-    if case == "padding":
+    if case.endswith("window"):
+        kwargs["window"] = (20, 7) if case == "window" else (300, 90)
+    if case.endswith("padding"):
         keep = torch.ones(B, 1, 1, lk, dtype=torch.bool)
-        keep[0, ..., :17] = False  # left padding
-        keep[1, ..., 100:] = False  # right padding
+        keep[0, ..., :17 if lk < 512 else 200] = False  # left padding
+        keep[1, ..., 100 if lk < 512 else 1000:] = False  # right padding
         keep[1, ..., 40:45] = False  # and some inside
         kwargs["mask"] = keep
     with torch.no_grad():

@@ -151,6 +151,23 @@ constexpr bool is_half() { return !std::is_same<In, acc_t<In>>::value; }
 // lanes[0] = the kLanes partials combined by op, halved log2(kLanes) times (lane l + width into lane l: a fixed order
 // on every ISA). A template per width, so each level's loop has a constant trip count and the compiler unrolls it
 // into register operations (a loop over the widths kept the partials in memory, with a store and a reload per level).
+// A per-thread buffer of n elements starting on a 64-byte boundary (a cache line: the BLAS and the matrix units'
+// tile loads read whole lines, and the same code path runs every time). data() is the aligned start.
+template <typename X>
+class Aligned {
+ public:
+  explicit Aligned(int64_t n) : buf_(n + kSlack) {
+    const auto address = reinterpret_cast<std::uintptr_t>(buf_.data());
+    start_ = buf_.data() + (64 - address % 64) % 64 / sizeof(X);
+  }
+  X* data() { return start_; }
+
+ private:
+  static constexpr int64_t kSlack = 64 / sizeof(X);
+  std::vector<X> buf_;
+  X* start_;
+};
+
 template <int Width, typename T, typename Op>
 inline T halve_lanes(T* lanes, Op op) {
   if constexpr (Width == 0) {

@@ -23,8 +23,10 @@
 // mask (toeplitz_common.h, DropoutMask) after l is summed and before P v: l and lse are the undropped ones
 // (FlashAttention-2 with dropout, Dao 2023).
 //
-// Parallel over (batch x head, query tile) tasks, taken from a shared counter by each of torch's threads, the
-// heaviest (a causal call's last query tiles) first: enough tasks for every thread even at B*H = 1, balanced.
+// Parallel over (batch x head, query tile) tasks, taken from a shared counter by each of torch's threads: one
+// (batch x head)'s query tiles after another, each head's heaviest (a causal call's last query tiles) first, so that
+// tasks in flight read one head's keys and values from cache and the last tasks are light ones: enough tasks for
+// every thread even at B*H = 1, balanced.
 // Each task writes only its own output rows, in an order fixed by the tile sizes, so results are bit-identical
 // across runs and thread counts (as far as the BLAS is). GEMMs are single-threaded inside a task: sgemm_ / dgemm_
 // that libtorch_cpu exports when built with MKL, else at::addmm_out on tile views. Denormals: flushed on every
@@ -272,7 +274,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   // blocks (the keys before a tile's first visible one are hidden like any other), rows ldS apart
   std::unique_ptr<PackedKV<In>> packed;
   if constexpr (kHalf) {
-    if (packed_gemms) packed = std::make_unique<PackedKV<In>>(k_rows, v_rows, BH, Lk, Dk, Dv);
+    if (packed_gemms) packed = std::make_unique<PackedKV<In>>(k_rows, v_rows, BH, Lk, Dk, Dv, tile_k);
   }
   const int64_t ldS = packed ? round_up(tile_k, kPackCols) : tile_k;
   const int64_t acc_ld = packed ? packed->nvb * kPackCols : Dv;  // the accumulator's row stride
@@ -283,18 +285,17 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     const FlushDenormals flush;  // this thread's mode, restored when the worker is done
     const ReleaseTiles release(packed != nullptr);  // the AMX state brgemm configured, released when the worker is done
-    constexpr int64_t kAlign = 64 / sizeof(T);  // S on a 64-byte boundary: the same BLAS code path every run
-    std::vector<T> s_buf(tile_q * ldS + kAlign), m_buf(tile_q), l_buf(tile_q);
-    // scores, then P
-    T* S = s_buf.data() + (kAlign - (reinterpret_cast<std::uintptr_t>(s_buf.data()) / sizeof(T)) % kAlign) % kAlign;
+    Aligned<T> s_buf(tile_q * ldS);  // scores, then P
+    std::vector<T> m_buf(tile_q), l_buf(tile_q);
+    T* S = s_buf.data();
     // half precision: P rounded to In, and the output tile's float32 accumulator (else P is S and O is out's rows)
-    std::vector<In> p_buf(kHalf ? tile_q * ldS : 0);
-    std::vector<T> acc_buf(kHalf ? tile_q * acc_ld : 0);
+    Aligned<In> p_buf(kHalf ? tile_q * ldS : 0);
+    Aligned<T> acc_buf(kHalf ? tile_q * acc_ld : 0);
     T* row_m = m_buf.data();
     T* row_l = l_buf.data();
     for (int64_t task = next.fetch_add(1); task < n_tasks; task = next.fetch_add(1)) {
-      const int64_t bh = task % BH;
-      const int64_t qt = n_tiles - 1 - task / BH;  // last query tiles first: a causal call's heaviest
+      const int64_t bh = task / n_tiles;
+      const int64_t qt = n_tiles - 1 - task % n_tiles;  // a head's last query tiles first: a causal call's heaviest
       const int64_t i0 = qt * tile_q, i1 = std::min(Lq, i0 + tile_q), bq = i1 - i0;
       const int64_t hb = Hb == 1 ? 0 : bh % H;
       const T* wr = w_p + hb * w_ld;
@@ -330,7 +331,7 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
         if (pad != nullptr && all_padded(pad + k0, bk)) continue;  // no query sees these keys
         if (packed) {  // unscaled: the row pass scales
           if constexpr (kHalf) {
-            packed_scores(*packed, bh, k0 / kPackCols, (bk + kPackCols - 1) / kPackCols, bq, qb, q_ld, S, ldS);
+            packed_scores(*packed, bh, k0, round_up(bk, kPackCols), bq, qb, q_ld, S, ldS);
           }
         } else {
           gemm<In, T>(false, true, bq, bk, Dk, scale, qb, q_ld, kb + k0 * k_ld, k_ld, T(0), S, ldS, blas);
