@@ -113,7 +113,7 @@ def gpu_like(monkeypatch):
 
 def test_an_out_of_shared_memory_compile_is_retried_once_with_smaller_blocks_which_later_calls_keep(gpu_like):
     fake = gpu_like(_Inductor(RuntimeError(OUT_OF_SHARED_MEMORY)))
-    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    q = torch.randn(1, 2, 128, 64, dtype=torch.bfloat16)
     out = flex._run(q, q, q, backward=True)
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, q, q))
     (first, lowered_first), (second, lowered_second) = fake.calls
@@ -128,11 +128,14 @@ def test_an_out_of_shared_memory_compile_is_retried_once_with_smaller_blocks_whi
 
 
 def test_a_second_failure_and_other_errors_are_raised_as_they_are(gpu_like):
-    q = torch.randn(1, 2, 16, 64, dtype=torch.float16)
-    fake = gpu_like(_Inductor(RuntimeError(OUT_OF_SHARED_MEMORY), RuntimeError(OUT_OF_SHARED_MEMORY)))
+    q = torch.randn(1, 2, 128, 64, dtype=torch.float16)
+    fake = gpu_like(_Inductor(*[RuntimeError(OUT_OF_SHARED_MEMORY)] * 3))
     with pytest.raises(RuntimeError, match="No valid triton configs"):
         flex._run(q, q, q)
     assert len(fake.calls) == 2
+    with pytest.raises(RuntimeError, match="No valid triton configs"):  # retried once in the process: not again
+        flex._run(q, q, q)
+    assert len(fake.calls) == 3 and fake.calls[2][0] == fake.calls[1][0]
     fake = gpu_like(_Inductor(RuntimeError("CUDA error: an illegal memory access was encountered")))
     with pytest.raises(RuntimeError, match="illegal memory access"):
         flex._run(q, q, q)
@@ -142,11 +145,34 @@ def test_a_second_failure_and_other_errors_are_raised_as_they_are(gpu_like):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 def test_float32_and_cpu_calls_keep_inductors_defaults(gpu_like, dtype, monkeypatch):
     fake = gpu_like(_Inductor())
-    q = torch.randn(1, 2, 16, 64, dtype=dtype)
+    q = torch.randn(1, 2, 128, 64, dtype=dtype)
     flex._run(q, q, q)
     monkeypatch.setattr(_options, "shared_memory", lambda device: None)  # what a CPU reports
     flex._run(q.bfloat16(), q.bfloat16(), q.bfloat16())
     assert [options for options, _ in fake.calls] == [None, None]
+
+
+def test_short_query_lengths_get_no_forward_options(gpu_like):
+    """Below 128 padded queries inductor runs its decoding kernel, which sizes its query block from the length: a
+    fwd_BLOCK_M would override that past the rows that exist."""
+    fake = gpu_like(_Inductor())
+    short = torch.randn(1, 2, flex.DECODING_BELOW // 2, 64, dtype=torch.bfloat16)
+    flex._run(short, short, short)
+    flex._run(short, short, short, backward=True)
+    chosen = _options.choose(LIMITS[0], torch.bfloat16, 64, 64, backward=True)
+    assert fake.calls[0][0] is None
+    assert fake.calls[1][0] == {k: v for k, v in chosen.items() if k.startswith("bwd_")}
+
+
+def test_hostile_numbers_give_a_bounded_factor_and_never_a_larger_candidate():
+    huge = OUT_OF_SHARED_MEMORY.replace("311296", "1" + "0" * 400)
+    assert _options.retry_factor(RuntimeError(huge)) == 1e6
+    several = "No valid triton configs. Required: 100 Hardware limit: 232448; Required: 2000000 Hardware limit: 232448"
+    assert _options.retry_factor(RuntimeError(several)) == pytest.approx(2000000 / 232448)
+    assert _options.choose(LIMITS[0], torch.bfloat16, 64, 64, True, factor=0) == \
+        _options.choose(LIMITS[0], torch.bfloat16, 64, 64, True)
+    chosen = _options.choose(LIMITS[0], torch.bfloat16, 64, 64, False)
+    assert _options.shrink({"fwd_BLOCK_M": 96}, LIMITS[0], torch.bfloat16, 64, 64, 1.0) == chosen
 
 
 def test_a_cpu_reports_no_shared_memory():

@@ -72,9 +72,13 @@ MIN_AVX2_HEAD_DIM = 32
 #: SDPA) or the reason it does not.
 _CHECKED: dict[tuple, str | None] = {}
 
-#: (device type, device index, dtype, head_dim, value head_dim, backward) -> the ``kernel_options`` half-precision
-#: calls on that GPU compile with (:mod:`._options`; smaller after a retry).
-_OPTIONS: dict[tuple, dict] = {}
+#: (device type, device index, dtype, head_dim, value head_dim, backward) -> (the device's shared memory per block,
+#: the ``kernel_options`` half-precision calls on that GPU compile with (:mod:`._options`), whether a compile with
+#: them has been retried: once per key and process, the smaller options kept).
+_OPTIONS: dict[tuple, tuple[int, dict, bool]] = {}
+#: Padded query lengths below this run inductor's FlexAttention decoding kernel, which sizes its query block from the
+#: length itself (a ``fwd_BLOCK_M`` would override it past the rows that exist): those calls get no forward options.
+DECODING_BELOW = 128
 
 
 def flex_available(device: torch.device, dtype: torch.dtype, needs_grad: bool) -> tuple[bool, str]:
@@ -112,17 +116,21 @@ def _compiled():
 
 
 def _kernel_options(query: torch.Tensor, value: torch.Tensor, backward: bool) -> tuple[tuple | None, dict | None]:
-    """(key of :data:`_OPTIONS`, kernel_options) for a half-precision call on a GPU; (None, None) elsewhere, where
-    inductor's defaults stay."""
+    """(key of :data:`_OPTIONS`, the kernel_options of this call) for a half-precision call on a GPU; (None, None)
+    elsewhere, where inductor's defaults stay. Below :data:`DECODING_BELOW` padded queries, the backward's only."""
     if query.dtype not in (torch.float16, torch.bfloat16):
-        return None, None
-    memory = _flex_options.shared_memory(query.device)
-    if memory is None:
         return None, None
     key = (query.device.type, query.device.index, query.dtype, query.shape[-1], value.shape[-1], backward)
     if key not in _OPTIONS:
-        _OPTIONS[key] = _flex_options.choose(memory, query.dtype, query.shape[-1], value.shape[-1], backward)
-    return key, _OPTIONS[key]
+        memory = _flex_options.shared_memory(query.device)
+        if memory is None:
+            return None, None
+        options = _flex_options.choose(memory, query.dtype, query.shape[-1], value.shape[-1], backward)
+        _OPTIONS[key] = (memory, options, False)
+    options = _OPTIONS[key][1]
+    if query.shape[-2] < DECODING_BELOW:
+        options = {k: v for k, v in options.items() if not k.startswith("fwd_")} or None
+    return key, options
 
 
 def _compile_and_call(q, k, v, kernel_options, backward, **kwargs):
@@ -139,8 +147,9 @@ def _run(q, k, v, *, backward: bool = False, **kwargs):
     """FlexAttention, compiled (a recompile-limit hit raises) or eager when COMPILE is off.
 
     On a GPU in half precision the kernels get block sizes that fit its shared memory (:mod:`._options`); a compile
-    that runs out of shared memory anyway is retried once with smaller blocks, which later calls keep. ``backward``:
-    gradients will be asked for (the backward's options are chosen and its compilation checked too)."""
+    that runs out of shared memory anyway is retried once (per dtype, head dims and ``backward``, in the process) with
+    smaller blocks, which later calls keep. ``backward``: gradients will be asked for (the backward's options are
+    chosen and its compilation checked too)."""
     if not COMPILE:
         from torch.nn.attention.flex_attention import flex_attention as flex
 
@@ -153,11 +162,13 @@ def _run(q, k, v, *, backward: bool = False, **kwargs):
             raise
         except Exception as error:
             factor = _flex_options.retry_factor(error) if key is not None else None
-            if factor is None:
+            if factor is None or options is None or _OPTIONS[key][2]:
                 raise
-            memory = _flex_options.shared_memory(q.device)
-            _OPTIONS[key] = _flex_options.shrink(options, memory, q.dtype, q.shape[-1], v.shape[-1], factor)
-            return _compile_and_call(q, k, v, _OPTIONS[key], backward, **kwargs)
+            memory, kept, _ = _OPTIONS[key]
+            smaller = _flex_options.shrink(kept, memory, q.dtype, q.shape[-1], v.shape[-1], factor)
+            _OPTIONS[key] = (memory, smaller, True)
+            _, options = _kernel_options(q, v, backward)
+            return _compile_and_call(q, k, v, options, backward, **kwargs)
     except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
         raise RuntimeError(
             "compiled FlexAttention hit dynamo's recompile limit; relbias refuses to fall back to eager "

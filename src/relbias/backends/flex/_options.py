@@ -63,7 +63,7 @@ def choose(shared_memory: int, dtype: torch.dtype, head_dim: int, value_dim: int
         dtype: the inputs' dtype (its item size enters the estimate).
         head_dim, value_dim: query/key and value head dims.
         backward: also choose the backward's options (``bwd_*``).
-        factor: extra factor on the estimate (> 1 on a retry, from :func:`retry_factor`).
+        factor: extra factor on the estimate (> 1 on a retry, from :func:`retry_factor`; values below 1 count as 1).
 
     Returns:
         ``fwd_BLOCK_M``, ``fwd_BLOCK_N``, ``fwd_num_stages``, ``fwd_num_warps`` and, with ``backward``, the
@@ -71,7 +71,7 @@ def choose(shared_memory: int, dtype: torch.dtype, head_dim: int, value_dim: int
         estimate times :data:`MARGIN` and ``factor`` fits, else the smallest.
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    budget = shared_memory / (MARGIN * factor)
+    budget = shared_memory / (MARGIN * max(1.0, factor))
     fwd = next((c for c in FORWARD if forward_bytes(*c[:3], itemsize, head_dim, value_dim) <= budget), FORWARD[-1])
     options = dict(zip(("fwd_BLOCK_M", "fwd_BLOCK_N", "fwd_num_stages", "fwd_num_warps"), fwd))
     if backward:
@@ -84,15 +84,15 @@ def choose(shared_memory: int, dtype: torch.dtype, head_dim: int, value_dim: int
 
 def retry_factor(error: BaseException) -> float | None:
     """How much smaller a retry's footprint must be, from a compile error; None when the error is not inductor's
-    "No valid triton configs" or Triton's out-of-resource error. The factor is the reported requirement over the
-    limit ("Required: 311296 ... Hardware limit: 232448"), at least 2."""
+    "No valid triton configs" or Triton's out-of-resource error. The factor is the largest reported requirement over
+    the limit ("Required: 311296 ... Hardware limit: 232448"), at least 2 and at most 1e6."""
     text = str(error)
     if "No valid triton configs" not in text and "out of resource" not in text:
         return None
-    required = re.search(r"Required:\s*(\d+)", text)
-    limit = re.search(r"Hardware limit:\s*(\d+)", text)
-    if required and limit and int(limit.group(1)) > 0:
-        return max(2.0, int(required.group(1)) / int(limit.group(1)))
+    required = [float(n) for n in re.findall(r"Required:\s*(\d+)", text)]
+    limit = [float(n) for n in re.findall(r"Hardware limit:\s*(\d+)", text)]
+    if required and limit and min(limit) > 0:
+        return min(1e6, max(2.0, max(required) / min(limit)))
     return 2.0
 
 
@@ -107,7 +107,8 @@ def shrink(options: dict, shared_memory: int, dtype: torch.dtype, head_dim: int,
         if not keys:
             continue
         index = {c: n for n, c in enumerate(candidates)}
-        was, now = (index[tuple(o[k] for k in keys)] for o in (options, smaller))
+        now = index[tuple(smaller[k] for k in keys)]
+        was = index.get(tuple(options.get(k) for k in keys), -1)  # options of no candidate: any is smaller
         if now <= was:
             smaller.update(zip(keys, candidates[min(was + 1, len(candidates) - 1)]))
     return smaller
