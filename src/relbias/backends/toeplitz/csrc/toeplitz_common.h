@@ -148,9 +148,6 @@ using acc_t = at::opmath_type<In>;
 template <typename In>
 constexpr bool is_half() { return !std::is_same<In, acc_t<In>>::value; }
 
-// lanes[0] = the kLanes partials combined by op, halved log2(kLanes) times (lane l + width into lane l: a fixed order
-// on every ISA). A template per width, so each level's loop has a constant trip count and the compiler unrolls it
-// into register operations (a loop over the widths kept the partials in memory, with a store and a reload per level).
 // A per-thread buffer of n elements starting on a 64-byte boundary (a cache line: the BLAS and the matrix units'
 // tile loads read whole lines, and the same code path runs every time). data() is the aligned start.
 template <typename X>
@@ -168,6 +165,9 @@ class Aligned {
   X* start_;
 };
 
+// lanes[0] = the kLanes partials combined by op, halved log2(kLanes) times (lane l + width into lane l: a fixed order
+// on every ISA). A template per width, so each level's loop has a constant trip count and the compiler unrolls it
+// into register operations (a loop over the widths kept the partials in memory, with a store and a reload per level).
 template <int Width, typename T, typename Op>
 inline T halve_lanes(T* lanes, Op op) {
   if constexpr (Width == 0) {

@@ -4,9 +4,8 @@
 // 32-bit word: the layout brgemm reads), so that every (query tile, key tile) product reads them as they are; the
 // query rows and P are read in place. kᵀ is packed in blocks as wide as a key tile, so that a tile's scores are one
 // brgemm call (ld_b the block's width; 64-column calls, eight per 512-key tile, ran the bfloat16 forward about 10%
-// slower). Packing costs one pass over K and V, O(N D)
-// memory (their size again, the keys rounded up to whole key blocks: at most one key tile more per batch x head),
-// against GEMMs that would otherwise pack per call.
+// slower). Packing costs one pass over K and V, O(N D) memory (their size again, the keys rounded up to whole key
+// blocks: at most one key tile more per batch x head), against GEMMs that would otherwise pack per call.
 #pragma once
 
 #include "toeplitz_common.h"
