@@ -249,10 +249,8 @@ def _flex_captured(bias, n: int, causal: bool, device: torch.device, dtype: torc
     from relbias.backends.flex import _options
 
     compiled = torch.compile(flex_attention, dynamic=False)
-    memory = _options.shared_memory(device)
-    kernel_options = None
-    if memory is not None and dtype in (torch.float16, torch.bfloat16):
-        kernel_options = _options.choose(memory, dtype, 64, 64, backward=grad)
+    found = _options.for_call(device, dtype, 64, 64, backward=grad)
+    kernel_options = None if found is None else found[1]
     block_mask = None
     if causal:
         block_mask = create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n, device=device)

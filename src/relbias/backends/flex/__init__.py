@@ -118,15 +118,12 @@ def _compiled():
 def _kernel_options(query: torch.Tensor, value: torch.Tensor, backward: bool) -> tuple[tuple | None, dict | None]:
     """(key of :data:`_OPTIONS`, the kernel_options of this call) for a half-precision call on a GPU; (None, None)
     elsewhere, where inductor's defaults stay. Below :data:`DECODING_BELOW` padded queries, the backward's only."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
-        return None, None
     key = (query.device.type, query.device.index, query.dtype, query.shape[-1], value.shape[-1], backward)
     if key not in _OPTIONS:
-        memory = _flex_options.shared_memory(query.device)
-        if memory is None:
+        found = _flex_options.for_call(query.device, query.dtype, query.shape[-1], value.shape[-1], backward)
+        if found is None:
             return None, None
-        options = _flex_options.choose(memory, query.dtype, query.shape[-1], value.shape[-1], backward)
-        _OPTIONS[key] = (memory, options, False)
+        _OPTIONS[key] = (*found, False)
     options = _OPTIONS[key][1]
     if query.shape[-2] < DECODING_BELOW:
         options = {k: v for k, v in options.items() if not k.startswith("fwd_")} or None

@@ -24,8 +24,8 @@ import re
 
 import torch
 
-__all__ = ["FORWARD", "BACKWARD", "MARGIN", "choose", "shrink", "retry_factor", "forward_bytes", "backward_bytes",
-           "shared_memory"]
+__all__ = ["FORWARD", "BACKWARD", "MARGIN", "choose", "for_call", "shrink", "retry_factor", "forward_bytes",
+           "backward_bytes", "shared_memory"]
 
 #: Forward candidates (BLOCK_M, BLOCK_N, num_stages, num_warps), largest first.
 FORWARD = ((128, 128, 3, 4), (128, 64, 3, 4), (64, 64, 3, 4), (64, 64, 2, 4), (64, 32, 2, 4), (32, 32, 1, 4),
@@ -112,6 +112,18 @@ def shrink(options: dict, shared_memory: int, dtype: torch.dtype, head_dim: int,
         if now <= was:
             smaller.update(zip(keys, candidates[min(was + 1, len(candidates) - 1)]))
     return smaller
+
+
+def for_call(device: torch.device, dtype: torch.dtype, head_dim: int, value_dim: int,
+             backward: bool) -> tuple[int, dict] | None:
+    """(the device's shared memory per block, :func:`choose`'s options) for a bfloat16 or float16 call on a GPU; None
+    for other dtypes and devices, where inductor's defaults stay."""
+    if dtype not in (torch.float16, torch.bfloat16):
+        return None
+    memory = shared_memory(device)
+    if memory is None:
+        return None
+    return memory, choose(memory, dtype, head_dim, value_dim, backward)
 
 
 def shared_memory(device: torch.device) -> int | None:
