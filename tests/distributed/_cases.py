@@ -94,7 +94,28 @@ def comparison_cases() -> list[Case]:
     cases.append(Case("offset", False, "contiguous", "ring", True, window=(5, 5)))
     cases.append(Case("alibi", True, "zigzag", "ulysses", True, window=(12, 0)))
     cases.append(Case("t5_causal", True, "contiguous", "ring", False, dtype="float64", kv_chunks=4, window=(20, 0)))
+    # the halo: only the keys the windows reach travel, from one neighbour or (windows longer than a shard) several
+    cases += HALO_CASES
+    cases.append(Case("t5_causal", True, "contiguous", "auto", True, window=(9, 0)))  # picks the halo
+    cases.append(Case("t5", False, "contiguous", "auto", False, window=(None, 3)))  # unbounded: picks the ring
     return cases
+
+
+#: Halo cases; the first two differ only in the sequence length (their traffic must not).
+HALO_CASES = [
+    Case("t5_causal", True, "contiguous", "halo", True, window=(9, 0)),
+    Case("t5_causal", True, "contiguous", "halo", True, seq_len=128, window=(9, 0)),
+    Case("t5", False, "contiguous", "halo", False, window=(6, 3)),
+    Case("offset", False, "contiguous", "halo", True, window=(5, 5)),
+    Case("alibi", True, "contiguous", "halo", False, window=(12, 0)),
+    Case("fire", True, "contiguous", "halo", True, seq_len=32, window=(7, 0)),
+    Case("none", False, "contiguous", "halo", True, window=(3, 17)),
+    Case("offset_shared_causal", True, "contiguous", "halo", False, window=(0, 4)),  # causal: no halo at all
+    # longer than a shard (16 tokens on 4 ranks, 32 on 2): parts from two or three ranks before (and after)
+    Case("t5_causal", True, "contiguous", "halo", True, dtype="float64", window=(40, 0)),
+    Case("offset", False, "contiguous", "halo", False, dtype="float64", window=(20, 37)),
+    Case("t5", False, "contiguous", "halo", True, seq_len=128, window=(70, 1)),
+]
 
 
 #: Cases that 4 processes also run as two independent groups of 2 (``group=``, ranks {0, 1} and {2, 3}).
@@ -106,6 +127,9 @@ REFUSALS = {
     "ulysses_heads_not_divisible": ("ValueError", "divisible"),
     "unknown_layout": ("ValueError", "layout must be one of"),
     "unknown_strategy": ("ValueError", "strategy must be one of"),
+    "halo_zigzag": ("ValueError", "strategy 'halo' exchanges the keys next to each contiguous shard"),
+    "halo_unbounded_window": ("ValueError", "strategy 'halo' needs a window bounded on both sides"),
+    "halo_double_backward": ("RuntimeError", "strategy 'halo') has no double backward"),
     "mask_wrong_shape": ("ValueError", "key padding mask"),
     "tensor_bias": ("TypeError", "RelativeBias module"),
     "offset_table_too_short": ("ValueError", "has no parameter"),
@@ -193,7 +217,8 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
             continue
         excess = ((got - want).abs() - case.tolerance * (1 + want.abs())).max().item()
         errors[name] = max(excess, 0.0)
-    return {"errors": errors, "stats": [stats.blocks, stats.skipped, stats.bias_free, stats.biased]}
+    traffic = [stats.sent_bytes, stats.received_bytes, stats.backward_sent_bytes, stats.backward_received_bytes]
+    return {"errors": errors, "stats": [stats.blocks, stats.skipped, stats.bias_free, stats.biased], "traffic": traffic}
 
 
 def run_refusal(name: str, rank: int, world_size: int) -> str | None:
@@ -212,6 +237,10 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["layout"] = "striped"
     elif name == "unknown_strategy":
         kwargs["strategy"] = "tree"
+    elif name == "halo_zigzag":
+        kwargs.update(strategy="halo", layout="zigzag", window=(2, 0), is_causal=True)
+    elif name == "halo_unbounded_window":
+        kwargs.update(strategy="halo", window=(2, None))
     elif name == "mask_wrong_shape":
         kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2] + 1, dtype=torch.bool)
     elif name == "tensor_bias":
@@ -247,6 +276,8 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
     elif name.endswith("_double_backward"):  # a gradient penalty: refused on every rank before communicating
         q = q.requires_grad_(True)
         kwargs.update(bias=relbias.T5Bias(H), strategy=name.split("_")[0])
+        if kwargs["strategy"] == "halo":
+            kwargs["window"] = (3, 2)
     try:
         out = context_parallel_attention(q, q, q, **kwargs)
         if name.endswith("_double_backward"):

@@ -48,6 +48,9 @@ MHA_CASES = [
             True, batch_first=False, new_group=True),
     MhaCase("self-t5-causal-contiguous-ring-pad-window", False, True, "t5_causal", "contiguous", "ring", True,
             window=(11, 0)),
+    MhaCase("self-t5-causal-contiguous-auto-pad-window", False, True, "t5_causal", "contiguous", "auto", True,
+            window=(11, 0)),  # the halo
+    MhaCase("self-t5-bidir-contiguous-halo-window", False, False, "t5", "contiguous", "halo", False, window=(21, 4)),
     MhaCase("self-t5-bidir-zigzag-ulysses-window", False, False, "t5", "zigzag", "ulysses", False, window=(5, 3)),
     MhaCase("cross-t5-contiguous-window", True, False, "t5", "contiguous", "ring", False, window=(6, 6)),
 ]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ._cases import ONE_RANK_REFUSALS, REFUSALS, SUBGROUP_CASES, comparison_cases
+from ._cases import B, D, H, HALO_CASES, ONE_RANK_REFUSALS, REFUSALS, SUBGROUP_CASES, comparison_cases
 from ._spawn import run_ranks
 
 WORKER = Path(__file__).with_name("_worker.py")
@@ -85,3 +85,47 @@ def test_refusals(groups, world_size, name):
         assert raised.startswith(kind + ":") and words in raised, raised
         if name in ONE_RANK_REFUSALS and rank != ONE_RANK_REFUSALS[name] % world_size:
             assert f"rank {ONE_RANK_REFUSALS[name] % world_size} of the group refused" in raised, raised
+
+
+def _halo_bound(case, world_size: int) -> tuple[int, int]:
+    """Bytes a rank may send per windowed call, forward and backward: ``(left + right)`` keys' key and value rows
+    (B·H·(D + Dv) elements, in the input dtype forward and the compute dtype backward) plus their mask entries."""
+    left, right = case.window
+    keys = left + (0 if case.is_causal else right)
+    itemsize = 8 if case.dtype == "float64" else 4
+    forward = keys * B * H * 2 * D * itemsize + (keys * B if case.padding else 0)
+    return forward, keys * B * H * 2 * D * itemsize
+
+
+@pytest.mark.parametrize("case", [c.name for c in HALO_CASES])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_halo_sends_only_the_window(groups, world_size, case):
+    """A rank sends at most (left + right) keys' rows (with their mask entries) forward and their gradients backward,
+    and exactly that much where both its neighbours' windows lie wholly inside its shard; what one rank sends, others
+    receive."""
+    spec = next(c for c in HALO_CASES if c.name == case)
+    forward, backward = _halo_bound(spec, world_size)
+    traffic = [res["comparisons"][case]["traffic"] for res in groups[world_size]]
+    for rank, (sent, received, back_sent, back_received) in enumerate(traffic):
+        assert 0 <= sent <= forward and 0 <= back_sent <= backward, (rank, traffic[rank], forward, backward)
+    assert sum(t[0] for t in traffic) == sum(t[1] for t in traffic)
+    assert sum(t[2] for t in traffic) == sum(t[3] for t in traffic)
+    left, right = spec.window
+    right = 0 if spec.is_causal else right
+    if max(left, right) <= spec.seq_len // world_size and left + right > 0:  # a middle rank sends exactly the bound
+        middle = traffic[1] if world_size > 2 else None
+        if middle is not None:
+            assert (middle[0], middle[2]) == (forward, backward), (middle, forward, backward)
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_halo_traffic_does_not_grow_with_the_sequence(groups, world_size):
+    """The same window at 64 and 128 tokens: every rank sends and receives the same bytes; the ring at 64 tokens
+    sends more than the halo does."""
+    short, long = HALO_CASES[0].name, HALO_CASES[1].name
+    for res in groups[world_size]:
+        assert res["comparisons"][short]["traffic"] == res["comparisons"][long]["traffic"]
+        ring = res["comparisons"]["t5_causal-causal-contiguous-ring-pad-window9_0"]["traffic"]
+        assert ring[0] > res["comparisons"][short]["traffic"][0]
+    auto = [res["comparisons"]["t5_causal-causal-contiguous-auto-pad-window9_0"] for res in groups[world_size]]
+    assert [a["traffic"] for a in auto] == [res["comparisons"][short]["traffic"] for res in groups[world_size]]

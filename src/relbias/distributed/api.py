@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ..biases.base import RelativeBias
 from .agree import check_ranks_agree, refuse_on_every_rank
 from .ring.plan import RingStats
+from .halo.attention import halo_attention
 from .ring.attention import ring_attention
 from .ulysses.attention import ulysses_attention
 from .validate import check_context_parallel
@@ -28,7 +29,7 @@ def context_parallel_attention(
     convention: str | None = None,
     group: dist.ProcessGroup | DeviceMesh | None = None,
     layout: str = "contiguous",
-    strategy: str = "ring",
+    strategy: str = "auto",
     stats: RingStats | None = None,
     kv_chunks: int | None = None,
     sync_bias_grads: bool = True,
@@ -68,6 +69,16 @@ def context_parallel_attention(
     * ``"ulysses"`` (Jacobs et al. 2023, DeepSpeed-Ulysses): all-to-all from sequence shards to head shards
       (H/P heads each over the whole sequence), single-device ``relbias.attention`` with the bias sliced to the
       rank's heads, all-to-all back. Needs ``H % P == 0``.
+    * ``"halo"`` (local attention, ``layout="contiguous"``, a ``window`` bounded on both sides, the right by
+      ``is_causal`` too): a rank's queries see at most ``left`` keys before its shard and ``right`` after it, so
+      the ranks those keys live on (several where the window is longer than a shard) send just them, with their
+      values and mask entries, in one ``batch_isend_irecv`` overlapped with the rank's own block; the halo blocks
+      merge by log-sum-exp, and backward returns the halo's dK and dV to their owners
+      (:mod:`relbias.distributed.halo`). Traffic per rank and call: at most ``(left + right)`` keys' rows forward
+      and their gradients backward, however long the sequence and however many ranks; memory O((L/P + left +
+      right) · D) per rank and head.
+    * ``"auto"`` (default): "halo" where it applies and its halo, ``left + right`` keys, is at most ``2·L/P`` (no
+      more than the ring holds in flight); otherwise "ring".
 
     Args:
         query: (B, H, L/P, D) this rank's shard, float16/bfloat16/float32/float64.
@@ -85,15 +96,16 @@ def context_parallel_attention(
             dimension of a larger mesh, ``mesh["cp"]``, as FSDP2 and torchtitan compose them); default the default
             group.
         layout: "contiguous" (default) or "zigzag".
-        strategy: "ring" (default) or "ulysses".
-        stats: a :class:`relbias.distributed.RingStats` to which the ring adds the counts of its forward
-            blocks (skipped, bias-free, biased); ignored by "ulysses". Default None.
+        strategy: "auto" (default), "ring", "ulysses" or "halo".
+        stats: a :class:`relbias.distributed.RingStats` to which "ring" and "halo" add the counts of their forward
+            blocks (skipped, bias-free, biased) and the bytes this rank sends and receives, forward and backward;
+            ignored by "ulysses". Default None.
         kv_chunks: "ring": the chunks C in which a rank's keys and values travel, one full rotation of the ring
             per chunk, so that a rank holds 1/C of a shard's keys and values (and of their gradients) in flight
             instead of a whole shard, for C times as many messages of 1/C the size (the same bytes). 1: the whole
             shard at once; C > 1: a multiple of the shard's pieces (1 contiguous, 2 zigzag) whose chunks split every
             piece evenly. Default None: 1 on one rank; else 4, 2 or 1, the most that keep chunks whole and at least
-            256 tokens long. "ulysses" only checks that it is None or an int >= 1.
+            256 tokens long. "ulysses" and "halo" only check that it is None or an int >= 1.
         sync_bias_grads: True (default): the bias parameters' gradients come back summed over ``group``, complete
             on every rank, for a model replicated over the group whose other gradients the caller reduces itself.
             False: each rank keeps its own part, like every other parameter's gradient, for a data-parallel wrapper
@@ -102,8 +114,8 @@ def context_parallel_attention(
         window: local (sliding-window) attention at global positions, as :func:`relbias.attention`'s ``window``:
             None (default) or ``(left, right)``, ints >= 0 or None; query i sees keys ``i - left <= j <= i + right``.
             "ring": a block wholly outside every query's window is skipped (counted in ``stats.skipped``), one the
-            window cuts runs with it; the key chunks still travel the whole ring. "ulysses": each rank's heads run
-            the windowed call over the whole sequence.
+            window cuts runs with it; the key chunks still travel the whole ring. "halo": only the keys the window
+            reaches travel. "ulysses": each rank's heads run the windowed call over the whole sequence.
 
     Returns:
         (B, H, L/P, Dv) this rank's output shard, in the dtype of ``query``; differentiable in query, key,
@@ -118,7 +130,8 @@ def context_parallel_attention(
             process group, a DeviceMesh or None; a non-bool ``sync_bias_grads``; a bias that is not a
             RelativeBias module (tensor biases have no global positions); a mask that is not bool; a non-bool
             ``is_causal``.
-        ValueError: a DeviceMesh of more than one dimension; an unknown ``layout`` or ``strategy``; a ``kv_chunks`` below 1 or not splitting the pieces
+        ValueError: a DeviceMesh of more than one dimension; an unknown ``layout`` or ``strategy``; "halo" with
+            layout "zigzag" or a window unbounded on a side; a ``kv_chunks`` below 1 or not splitting the pieces
             evenly; local query and key lengths that differ; an odd local length with "zigzag" (L not divisible
             by 2P); ``H % P != 0`` with "ulysses"; a mask not shaped (B or 1, H or 1, 1, L/P); a causal-only
             bias without ``is_causal``; a bias that cannot evaluate the sequence's offsets (per-offset table
@@ -151,4 +164,6 @@ def context_parallel_attention(
     check_ranks_agree(call, query, value)
     if call.strategy == "ring":
         return ring_attention(call, query, key, value, stats)
+    if call.strategy == "halo":
+        return halo_attention(call, query, key, value, stats)
     return ulysses_attention(call, query, key, value)

@@ -1,5 +1,5 @@
-"""The torch.distributed operations context-parallel attention uses: ring neighbours exchanging tensors with
-batched point-to-point ops, an equal-split all-to-all, an all-gather, and a sum of gradients over the group.
+"""The torch.distributed operations context-parallel attention uses: ring neighbours (and halo peers) exchanging
+tensors with batched point-to-point ops, an equal-split all-to-all, an all-gather, and a sum of gradients over the group.
 
 No transport of our own: everything goes through ``torch.distributed`` (its process groups, ``P2POp`` /
 ``batch_isend_irecv``, ``all_to_all_single``, ``all_gather``, ``all_reduce``). Every tensor sent is made
@@ -17,7 +17,8 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-__all__ = ["Pending", "RingChannel", "all_gather_seq", "all_reduce_sum", "all_to_all_dim0", "exchange"]
+__all__ = ["Pending", "RingChannel", "all_gather_seq", "all_reduce_sum", "all_to_all_dim0", "exchange", "nbytes",
+           "start_exchange"]
 
 
 @contextlib.contextmanager
@@ -35,18 +36,21 @@ def exchange(group: dist.ProcessGroup | None, what: str):
         ) from error
 
 
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes the tensors occupy as they travel (bool as uint8, one byte per element)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 class Pending:
     """Tensors in flight: :meth:`wait` finishes the exchange and returns the received tensors."""
 
     def __init__(self, works: list, received: list[torch.Tensor], sent: list[torch.Tensor], bools: list[bool],
-                 channel: "RingChannel") -> None:
+                 group: dist.ProcessGroup | None, what: str) -> None:
         self._works, self._received, self._sent, self._bools = works, received, sent, bools
-        self._channel = channel
+        self._group, self._what = group, what
 
     def wait(self) -> list[torch.Tensor]:
-        channel = self._channel
-        with exchange(channel.group, f"the ring exchange (sending to rank {channel.next}, receiving from rank "
-                                     f"{channel.prev})"):
+        with exchange(self._group, self._what):
             for work in self._works:
                 work.wait()
         received, self._received = self._received, []
@@ -55,6 +59,46 @@ class Pending:
         # the next step's compute
         self._works, self._sent = [], []
         return [t.bool() if b else t for t, b in zip(received, self._bools)]
+
+
+def start_exchange(
+    group: dist.ProcessGroup | None,
+    sends: list[tuple[int, list[torch.Tensor]]],
+    receives: list[tuple[int, list[tuple[torch.Size, torch.dtype]]]],
+    tag: int,
+    what: str,
+    device: torch.device,
+) -> Pending:
+    """Post point-to-point sends and receives together (``torch.distributed.batch_isend_irecv``), asynchronously.
+
+    Args:
+        group: the process group (None: the default group); peers are ranks in it.
+        sends: ``(peer, tensors)`` to send; tensor n of each uses tag ``tag + n``.
+        receives: ``(peer, [(shape, dtype), ...])``: receive tensors of those shapes and dtypes from ``peer``, tensor
+            n with tag ``tag + n``.
+        tag: the first tag; what: the exchange, as an error names it; device: where received tensors are put.
+
+    Returns:
+        A :class:`Pending` whose ``wait()`` gives the received tensors, in the order of ``receives``, flattened.
+        Bool tensors travel as uint8 and come back bool.
+    """
+    ops, sent, received, bools = [], [], [], []
+    for peer, tensors in sends:
+        for n, t in enumerate(tensors):
+            buffer = (t.to(torch.uint8) if t.dtype == torch.bool else t).contiguous()
+            sent.append(buffer)
+            ops.append(dist.P2POp(dist.isend, buffer, group=group, tag=tag + n, group_peer=peer))
+    for peer, specs in receives:
+        for n, (shape, dtype) in enumerate(specs):
+            bools.append(dtype == torch.bool)
+            buffer = torch.empty(shape, dtype=torch.uint8 if bools[-1] else dtype, device=device)
+            received.append(buffer)
+            ops.append(dist.P2POp(dist.irecv, buffer, group=group, tag=tag + n, group_peer=peer))
+    works = []
+    if ops:
+        with exchange(group, f"posting {what}"):
+            works = dist.batch_isend_irecv(ops)
+    return Pending(works, received, sent, bools, group, what)
 
 
 class RingChannel:
@@ -74,16 +118,9 @@ class RingChannel:
 
         Every rank of the group must call it with the same shapes, in the same order.
         """
-        bools = [t.dtype == torch.bool for t in tensors]
-        sent = [(t.to(torch.uint8) if b else t).contiguous() for t, b in zip(tensors, bools)]
-        received = [torch.empty_like(t) for t in sent]
-        ops = []
-        for n, (s, r) in enumerate(zip(sent, received)):
-            ops.append(dist.P2POp(dist.isend, s, group=self.group, tag=tag + n, group_peer=self.next))
-            ops.append(dist.P2POp(dist.irecv, r, group=self.group, tag=tag + n, group_peer=self.prev))
-        with exchange(self.group, "posting the ring exchange"):
-            works = dist.batch_isend_irecv(ops)
-        return Pending(works, received, sent, bools, self)
+        what = f"the ring exchange (sending to rank {self.next}, receiving from rank {self.prev})"
+        specs = [(t.shape, t.dtype) for t in tensors]
+        return start_exchange(self.group, [(self.next, tensors)], [(self.prev, specs)], tag, what, tensors[0].device)
 
 
 def all_to_all_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

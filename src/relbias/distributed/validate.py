@@ -18,13 +18,14 @@ from ..biases.base import RelativeBias
 from .ring.blocks import BlockSettings
 from .groups import resolve_group
 from .layout import check_layout, shard_pieces
+from .halo.plan import halo_reach
 from .ring.plan import resolve_kv_chunks
 from ..window import check_window, offset_band
 
 __all__ = ["STRATEGIES", "ContextParallelCall", "check_context_parallel"]
 
-#: The strategies context-parallel attention knows.
-STRATEGIES = ("ring", "ulysses")
+#: The strategies context-parallel attention knows; "auto" picks "halo" or "ring" (:func:`resolve_strategy`).
+STRATEGIES = ("auto", "ring", "ulysses", "halo")
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ class ContextParallelCall:
     Attributes:
         group: the process group (None: the default group); world_size P and rank r in it.
         layout: "contiguous" or "zigzag".
-        strategy: "ring" or "ulysses".
+        strategy: "ring", "ulysses" or "halo" (resolved: never "auto").
         local_len: L/P, tokens per rank; seq_len: L.
         mask: None or the bool key padding mask shard (Bm, Hm, 1, L/P).
         settings: the :class:`relbias.distributed.ring.blocks.BlockSettings` of every block.
@@ -88,6 +89,37 @@ def _check_bias_range(bias: RelativeBias, seq_len: int, is_causal: bool, device:
     low, high = -(seq_len - 1), seq_len - 1
     low, high = low if lo is None else max(low, lo), high if hi is None else min(high, hi)
     bias.offset_values(torch.tensor([low, high], device=device))
+
+
+def resolve_strategy(strategy: str, layout: str, window: tuple[int | None, int | None] | None, is_causal: bool,
+                     local_len: int) -> str:
+    """The strategy a call runs: ``strategy`` itself, or for "auto" "halo" where a contiguous layout meets a window
+    bounded on both sides (the right by ``is_causal`` too) whose halo, ``left + right`` keys, is at most two shards
+    (no more than the ring holds in flight), else "ring".
+
+    Raises:
+        ValueError: "halo" with layout "zigzag" (a rank's two chunks are not next to its neighbours' shards; under a
+            window the contiguous layout is already balanced), or with a window unbounded on a side (no window: the
+            halo would be the whole sequence on that side).
+    """
+    reach = halo_reach(window, is_causal)
+    if strategy == "auto":
+        return "halo" if layout == "contiguous" and reach is not None and sum(reach) <= 2 * local_len else "ring"
+    if strategy == "halo":
+        if layout != "contiguous":
+            raise ValueError(
+                f"strategy 'halo' exchanges the keys next to each contiguous shard, so it needs layout='contiguous', "
+                f"got {layout!r} (zigzag balances causal work over the whole sequence; under a window every query "
+                f"sees as many keys, so the contiguous layout is already balanced); use layout='contiguous' or "
+                f"strategy='ring'"
+            )
+        if reach is None:
+            raise ValueError(
+                f"strategy 'halo' needs a window bounded on both sides (the right side by is_causal=True too), got "
+                f"window={window} with is_causal={is_causal}; without a bound a rank needs every key on that side: "
+                f"use strategy='ring'"
+            )
+    return strategy
 
 
 def check_context_parallel(
@@ -168,6 +200,7 @@ def check_context_parallel(
                 "pass is_causal=True"
             )
         _check_bias_range(bias, local_len * world_size, is_causal, query.device, window)
+    strategy = resolve_strategy(strategy, layout, window, is_causal, local_len)
     if strategy == "ring":
         pieces = len(shard_pieces(local_len * world_size, world_size, rank, layout))
         chunks = resolve_kv_chunks(kv_chunks, local_len, pieces, world_size)

@@ -182,7 +182,7 @@ def patch_t5(
     backend: str | None = None,
     process_group: object = None,
     layout: str = "contiguous",
-    strategy: str = "ring",
+    strategy: str = "auto",
     sync_bias_grads: bool = True,
 ) -> nn.Module:
     """Make a transformers T5-family model compute its self-attention with :func:`relbias.attention`.
@@ -228,7 +228,8 @@ def patch_t5(
             does; see ``sync_bias_grads``); every other parameter's gradient is this rank's part, to be summed over the group. Every rank
             must make the same calls with the same shapes.
         layout: with ``process_group``: "contiguous" (default) or "zigzag" (:mod:`relbias.distributed.layout`).
-        strategy: with ``process_group``: "ring" (default) or "ulysses" (needs num_heads % P == 0).
+        strategy: with ``process_group``: "auto" (default: "ring", since T5's attention has no window), "ring",
+            "ulysses" (needs num_heads % P == 0) or "halo" (the first call refuses it: T5 attends without a window).
         sync_bias_grads: with ``process_group``: True (default) sums the ``relative_attention_bias`` gradients over
             the group in backward; False leaves each rank its part, like every other parameter's, for a
             data-parallel wrapper that reduces over the group's ranks too (FSDP2 over a flattened data x context

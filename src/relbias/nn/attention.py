@@ -103,7 +103,9 @@ class MultiheadAttention(nn.Module):
             summed over the group (as data-parallel training does).
         cp_layout: with ``process_group``, how sequences are sharded: "contiguous" (default; rank r holds
             positions ``[r·L/P, (r+1)·L/P)``) or "zigzag" (see :mod:`relbias.distributed.layout`).
-        cp_strategy: with ``process_group``, self-attention's strategy: "ring" (default) or "ulysses".
+        cp_strategy: with ``process_group``, self-attention's strategy: "auto" (default: "halo" for a ``window``
+            bounded on both sides, the right by ``is_causal`` too, with ``cp_layout="contiguous"``, else "ring"),
+            "ring", "ulysses" or "halo" (:func:`relbias.distributed.context_parallel_attention`).
         cp_sync_bias_grads: with ``process_group``: True (default) sums the ``position_bias`` gradients over the
             group in backward; False leaves each rank its part, like every other parameter's, for a data-parallel
             wrapper that reduces over the group's ranks too (FSDP2 over a flattened data x context mesh;
@@ -155,7 +157,7 @@ class MultiheadAttention(nn.Module):
         window: tuple[int | None, int | None] | None = None,
         process_group: object = None,
         cp_layout: str = "contiguous",
-        cp_strategy: str = "ring",
+        cp_strategy: str = "auto",
         cp_sync_bias_grads: bool = True,
     ) -> None:
         super().__init__()
@@ -384,8 +386,10 @@ class MultiheadAttention(nn.Module):
             return self._forward_packed(query, key, value, key_padding_mask, need_weights, attn_mask, is_causal,
                                         cache, cache_position, cu_seqlens)
         if self.process_group is not None:
-            return self._forward_context_parallel(
-                query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache, cache_position
+            from ..distributed.module import sharded_forward
+
+            return sharded_forward(
+                self, query, key, value, key_padding_mask, need_weights, attn_mask, is_causal, cache, cache_position
             )
         q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
         batch, q_len = q_in.shape[0], q_in.shape[1]
@@ -493,94 +497,6 @@ class MultiheadAttention(nn.Module):
         out = attention_varlen(q, k, v, cu_seqlens, bias=self.position_bias, is_causal=self.is_causal or is_causal,
                                scale=self.scale, convention=self.convention, backend=self.backend, window=self.window)
         out = self.out_proj(out.transpose(1, 2).reshape(1, q_len, self.embed_dim))
-        if not batched:
-            out = out.squeeze(0)
-        elif not self.batch_first:
-            out = out.transpose(0, 1)
-        return out, None
-
-    def _forward_context_parallel(self, query, key, value, kpm, need_weights, attn_mask, is_causal, cache, cache_position):
-        """forward under ``process_group``: this rank's shards in, this rank's output shard out."""
-        from ..distributed import context_parallel_attention, gather_sequence, shard_pieces
-        from ..distributed.groups import resolve_group
-        import torch.distributed as dist
-
-        if need_weights:
-            raise ValueError(
-                "need_weights=True is not supported with a process_group (the weights would span every rank's "
-                "keys); pass need_weights=False"
-            )
-        if attn_mask is not None:
-            raise ValueError(
-                "attn_mask is not supported with a process_group (a (query, key) mask cannot be sharded along the "
-                "sequence); use is_causal and a key_padding_mask (bool, this rank's shard)"
-            )
-        if cache is not None or cache_position is not None:
-            raise NotImplementedError(
-                "KV caches (cache=, cache_position=) are not supported with a process_group; decode incrementally "
-                "with a layer built without process_group (the same parameters, e.g. load its state_dict)"
-            )
-        if not isinstance(is_causal, bool):
-            raise TypeError(f"is_causal must be a bool, got {is_causal!r}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "MultiheadAttention(process_group=...) needs an initialised torch.distributed; call "
-                "torch.distributed.init_process_group first"
-            )
-        group = resolve_group(self.process_group, argument="process_group")
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        q_in, batched = self._to_batch_first("query", query, self.embed_dim, "embed_dim", None)
-        batch, q_len = q_in.shape[0], q_in.shape[1]
-        q = self._heads(self.q_proj(q_in))
-        if self.cross_attention:
-            if key is None:
-                raise ValueError("cross-attention needs the memory as key (and value): this rank's shard of it")
-            k_in, _ = self._to_batch_first("key", key, self.kdim, "kdim", batched)
-            v_in, _ = self._to_batch_first("value", key if value is None else value, self.vdim, "vdim", batched)
-            if k_in.shape[:2] != v_in.shape[:2]:
-                raise ValueError(f"key and value must agree in batch and length, got {tuple(key.shape)} and {tuple(value.shape)}")
-        else:
-            k_in, v_in = self._self_key_value(query, key, value, q_len, batched)
-        k, v = self._heads(self.k_proj(k_in)), self._heads(self.v_proj(v_in))  # (B, H, S/P, D)
-        local_keys = k.shape[2]
-        keep = None
-        if kpm is not None:
-            if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool:
-                kind = kpm.dtype if isinstance(kpm, torch.Tensor) else type(kpm).__name__
-                raise TypeError(f"with a process_group, key_padding_mask must be bool (True = padding), got {kind}")
-            expected = (batch, local_keys) if batched else (local_keys,)
-            if tuple(kpm.shape) != expected:
-                raise ValueError(
-                    f"with a process_group, key_padding_mask must be this rank's shard of the padding mask, "
-                    f"{expected} (batch, local key length), got {tuple(kpm.shape)}"
-                )
-            if kpm.device != q.device:
-                raise ValueError(f"key_padding_mask is on {kpm.device} but query is on {q.device}")
-            keep = ~kpm.reshape(batch, 1, 1, local_keys)  # True = may attend
-        if not self.cross_attention:
-            out = context_parallel_attention(
-                q, k, v, bias=self.position_bias, mask=keep, is_causal=self.is_causal or is_causal,
-                scale=self.scale, convention=self.convention, group=group, layout=self.cp_layout,
-                strategy=self.cp_strategy, sync_bias_grads=self.cp_sync_bias_grads, window=self.window,
-            )
-        else:
-            if is_causal:
-                raise ValueError("is_causal applies to self-attention; a cross-attention layer sees the whole memory")
-            # one collective for both (one backward collective too): (2, B, H, S, D), positions 0 .. S-1
-            k, v = gather_sequence(torch.stack([k, v]), dim=3, group=group, layout=self.cp_layout).unbind(0)
-            if keep is not None:
-                keep = gather_sequence(keep, dim=3, group=group, layout=self.cp_layout)
-            pieces = shard_pieces(q_len * world_size, world_size, rank, self.cp_layout)
-            outs, at = [], 0
-            for start, length in pieces:  # each run of consecutive queries at its global position
-                outs.append(attention(
-                    q[:, :, at : at + length], k, v, bias=self.position_bias, mask=keep, scale=self.scale,
-                    convention=self.convention, query_start=start, key_start=0, backend=self.backend,
-                    window=self.window,
-                ))
-                at += length
-            out = torch.cat(outs, dim=2)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, self.embed_dim))  # (B, Lq/P, E)
         if not batched:
             out = out.squeeze(0)
         elif not self.batch_first:

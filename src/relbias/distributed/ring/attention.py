@@ -29,7 +29,7 @@ import torch
 from ...backends._shared.autograd import first_order
 from ...backends._shared.dtypes import compute_dtype
 from .blocks import block_backward, run_block
-from ..comm import RingChannel, all_reduce_sum
+from ..comm import RingChannel, all_reduce_sum, nbytes
 from ..layout import shard_pieces
 from ..merge import DOUBLE_BACKWARD_HINT, merge_into
 from .plan import RingStats, block_kind, kv_chunks_of
@@ -80,6 +80,8 @@ def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats 
     for _, block in _own_chunks(call, key, value):  # one rotation of the ring per chunk
         for step in range(call.world_size):
             pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
+            if pending is not None and stats is not None:
+                stats.add_traffic(nbytes(block), nbytes(block))
             k, v, starts = block[:3]
             mask = block[3] if len(block) > 3 else None
             for qs, q_start, ks, k_start, kind in _blocks(call, starts, k.shape[2]):
@@ -94,7 +96,7 @@ def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats 
     return out, lse
 
 
-def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_out, params):
+def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_out, params, stats=None):
     """(dq, dk, dv in the compute dtype, bias-parameter gradients: summed over the group, or this rank's part when
     ``call.sync_bias_grads`` is False)."""
     compute = out.dtype
@@ -103,18 +105,18 @@ def ring_backward(call: ContextParallelCall, query, key, value, out, lse, grad_o
     dparams = [torch.zeros_like(p) for p in params]
     if call.kv_chunks == 1:  # the whole shard's sums come home at once: they are dk and dv
         (_, block), = _own_chunks(call, key, value)
-        dk, dv = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams)
+        dk, dv = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams, stats)
     else:  # each chunk's sums come home after its rotation, into their rows
         dk = torch.empty(key.shape, dtype=compute, device=key.device)
         dv = torch.empty(value.shape, dtype=compute, device=value.device)
         for keys, block in _own_chunks(call, key, value):
-            dk_chunk, dv_chunk = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams)
+            dk_chunk, dv_chunk = _rotate_backward(call, query, block, out, lse, grad_out, params, dq, dparams, stats)
             dk[:, :, keys] = dk_chunk
             dv[:, :, keys] = dv_chunk
     return dq, dk, dv, all_reduce_sum(dparams, call.group) if call.sync_bias_grads else dparams
 
 
-def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out, params, dq, dparams):
+def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out, params, dq, dparams, stats):
     """One rotation of the backward ring for this rank's travelling ``block`` (one chunk): adds every block's dq
     and bias-parameter shares into ``dq`` and ``dparams`` in place; returns the chunk's (dk, dv), every rank's
     share summed."""
@@ -123,6 +125,8 @@ def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out
     grads_pending = None
     for step in range(call.world_size):
         pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
+        if pending is not None and stats is not None:
+            stats.add_traffic(nbytes(block), nbytes(block), backward=True)
         k, v, starts = block[:3]
         mask = block[3] if len(block) > 3 else None
         if grads_pending is not None:  # what the ranks before this one added for this block: this rank adds to it
@@ -145,6 +149,8 @@ def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out
                     acc += g
         if channel is not None:
             grads_pending = channel.start([dk, dv], _GRAD_TAG)
+            if stats is not None:
+                stats.add_traffic(nbytes([dk, dv]), nbytes([dk, dv]), backward=True)
         if pending is not None:
             block = pending.wait()
     if grads_pending is not None:  # after P hops: this rank's own keys, with every rank's share
@@ -160,7 +166,7 @@ class _RingFunction(torch.autograd.Function):
         out, lse = ring_forward(call, query, key, value, stats)
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.params = params  # the module's own parameter objects: the recomputed blocks read these
-        ctx.call = call
+        ctx.call, ctx.stats = call, stats
         return out.to(query.dtype)
 
     @staticmethod
@@ -168,7 +174,7 @@ class _RingFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         query, key, value, out, lse = ctx.saved_tensors
         params = ctx.params
-        dq, dk, dv, dparams = ring_backward(ctx.call, query, key, value, out, lse, grad_out, params)
+        dq, dk, dv, dparams = ring_backward(ctx.call, query, key, value, out, lse, grad_out, params, ctx.stats)
         return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), None, None, *dparams)
 
 

@@ -122,24 +122,36 @@ def kv_chunks_of(pieces: list[tuple[int, int]], chunks: int) -> list[tuple[slice
 
 @dataclass
 class RingStats:
-    """Counts of the forward pass's blocks, added to by :func:`relbias.distributed.context_parallel_attention`.
+    """Counts of a context-parallel call's blocks and traffic, added to by
+    :func:`relbias.distributed.context_parallel_attention` (strategies "ring" and "halo"; "ulysses" adds nothing).
 
-    One block is one (local query piece, travelling key piece) pair on this rank: per call, ``P`` ring steps per
-    travelling chunk (``kv_chunks`` C), each with 1 (contiguous) or 2 (zigzag) query pieces against the chunk's
-    key pieces (C = 1: 1 contiguous, 2 zigzag; C > 1: one piece per chunk). Backward revisits the same blocks and is
-    not counted.
+    One block is one (local query piece, key piece) pair on this rank. "ring": per call, ``P`` ring steps per
+    travelling chunk (``kv_chunks`` C), each with 1 (contiguous) or 2 (zigzag) query pieces against the chunk's key
+    pieces (C = 1: 1 contiguous, 2 zigzag; C > 1: one piece per chunk). "halo": the shard's own block and one block
+    per side whose halo holds keys. Backward revisits the same blocks and is not counted.
+
+    Traffic is the bytes of the point-to-point messages this rank posts (keys, values, piece starts, mask slices
+    as one byte per element; in backward the key and value gradients, in the compute dtype: float32 for half
+    precision). The small collectives around them (one ``all_gather`` of the settings per call, the bias gradients'
+    ``all_reduce`` of O(parameters)) are not counted.
 
     Attributes:
         blocks: blocks considered.
         skipped: blocks entirely in the future (causal) or outside the window, not run.
         bias_free: blocks entirely beyond a far-constant bias's distance, run bias-free plus a constant.
         biased: blocks run with the bias (or with no bias when there is none).
+        sent_bytes, received_bytes: bytes this rank sent and received in forward.
+        backward_sent_bytes, backward_received_bytes: the same in backward.
     """
 
     blocks: int = 0
     skipped: int = 0
     bias_free: int = 0
     biased: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+    backward_sent_bytes: int = 0
+    backward_received_bytes: int = 0
 
     def add(self, kind: str) -> None:
         """Count one block of ``kind`` (one of ``BLOCK_KINDS``: "skip", "past", "future" or "bias")."""
@@ -150,6 +162,15 @@ class RingStats:
             self.biased += 1
         else:
             self.bias_free += 1
+
+    def add_traffic(self, sent: int, received: int, *, backward: bool = False) -> None:
+        """Count ``sent`` and ``received`` bytes of one exchange, of backward when ``backward``."""
+        if backward:
+            self.backward_sent_bytes += sent
+            self.backward_received_bytes += received
+        else:
+            self.sent_bytes += sent
+            self.received_bytes += received
 
     @property
     def bias_free_fraction(self) -> float:
