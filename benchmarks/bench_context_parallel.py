@@ -23,12 +23,18 @@ Usage::
 
     python benchmarks/bench_context_parallel.py                          # P = 1 2 4, L = 8192 16384 32768
     python benchmarks/bench_context_parallel.py --world-sizes 1 2 --lengths 1024 --repeats 1   # smoke run
+    # local attention (W = 256 keys, causal): the halo against the ring at each (P, L), in the same run
+    python benchmarks/bench_context_parallel.py --window 256 --world-sizes 2 4 --lengths 65536
     # several machines (one process per GPU, NCCL), one P per launch, printed by rank 0:
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 benchmarks/bench_context_parallel.py \\
         --torchrun --backend nccl --lengths 32768
 
 In the default (spawn) mode every (P, L) runs in P fresh processes of this script (``--child``) that meet through
 a ``file://`` rendezvous in a temporary folder (gloo on CPU; loopback only).
+
+With ``--window W`` (causal T5 local attention over W keys, ``window=(W - 1, 0)``, contiguous layout) every
+strategy of ``--strategies`` (default: halo, ring) runs at each (P, L) in the same run, and the table adds the bytes
+each rank sent (``RingStats``), forward and backward, with ratios against the ring.
 
 Targets: per-rank peak memory <= 1.2/P of the P = 1 figure plus a constant; with T5 at P = 4,
 L = 16384, the compute time summed over ranks within 1.3x of the P = 1 time.
@@ -78,13 +84,15 @@ def measure_rank(spec: dict) -> dict:
         for t in (q, k, v, *bias.parameters()):
             t.grad = None
 
+    window = None if spec.get("window") is None else (spec["window"] - 1, 0)  # W keys: itself and W - 1 before
+
     def step(count: bool) -> None:
         if spec.get("single"):  # the single-device call itself, for comparison
-            out = relbias.attention(q, k, v, bias=bias, is_causal=spec["causal"])
+            out = relbias.attention(q, k, v, bias=bias, is_causal=spec["causal"], window=window)
         else:
             out = context_parallel_attention(
                 q, k, v, bias=bias, is_causal=spec["causal"], layout=spec["layout"], strategy=spec["strategy"],
-                kv_chunks=spec["kv_chunks"],
+                kv_chunks=spec["kv_chunks"] if spec["strategy"] == "ring" else None, window=window,
                 stats=stats if count else None,
             )
         out.backward(grad)
@@ -116,6 +124,7 @@ def measure_rank(spec: dict) -> dict:
     return {
         "rank": rank, "peak_mib": peak / MIB, "wall_ms": statistics.median(walls), "cpu_ms": statistics.median(cpus),
         "blocks": stats.blocks, "skipped": stats.skipped, "bias_free": stats.bias_free,
+        "sent": stats.sent_bytes, "backward_sent": stats.backward_sent_bytes,
     }
 
 
@@ -132,7 +141,23 @@ def summarise(world: int, length: int, ranks: list[dict], single: bool = False) 
         "P": world, "label": "attn" if single else str(world), "L": length, "peak_mib": max(r["peak_mib"] for r in ranks),
         "wall_ms": max(r["wall_ms"] for r in ranks), "cpu_sum_ms": sum(r["cpu_ms"] for r in ranks),
         "bias_free": sum(r["bias_free"] for r in ranks) / ran if ran else None,  # None: no ring blocks (ulysses)
+        "sent_mib": max(r["sent"] for r in ranks) / MIB, "backward_sent_mib": max(r["backward_sent"] for r in ranks) / MIB,
     }
+
+
+def print_window_table(rows: list[dict]) -> None:
+    """--window: each strategy's row, with ratios against the ring at the same (P, L)."""
+    ring = {(r["P"], r["L"]): r for r in rows if r["label"] == "ring"}
+    print(f"{'strategy':>8} {'P':>2} {'L':>8} {'sent MiB/rank fwd':>17} {'bwd':>8} {'peak MiB/rank':>14} {'x ring':>6} "
+          f"{'fwd+bwd ms':>11} {'x ring':>6}")
+    for r in rows:
+        b = ring.get((r["P"], r["L"]))
+
+        def ratio(key):
+            return f"{r[key] / b[key]:6.2f}" if b and b[key] else f"{'-':>6}"
+
+        print(f"{r['label']:>8} {r['P']:>2} {r['L']:>8} {r['sent_mib']:>17.2f} {r['backward_sent_mib']:>8.2f} "
+              f"{r['peak_mib']:>14.1f} {ratio('peak_mib')} {r['wall_ms']:>11.1f} {ratio('wall_ms')}")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -150,6 +175,24 @@ def print_table(rows: list[dict]) -> None:
               f"{ratio('wall_ms')} {r['cpu_sum_ms']:>13.1f} {ratio('cpu_sum_ms')} {free:>9}")
 
 
+def run_windowed(args, spec: dict) -> None:
+    """--window: every strategy at every (P, L), one configuration at a time, then the table."""
+    load_before = os.getloadavg()
+    print(f"context-parallel local attention, causal T5, window of {args.window} keys ({args.window - 1}, 0), "
+          f"B={args.batch} H={args.heads} D={args.head_dim}, layout contiguous, forward+backward, {os.cpu_count()} "
+          f"CPUs; load average {load_before[0]:.2f} (1 min)")
+    rows = []
+    for length in args.lengths:
+        for world in args.world_sizes:
+            for strategy in args.strategies:
+                ranks = run_spawned(world, {**spec, "length": length, "strategy": strategy})
+                rows.append({**summarise(world, length, ranks), "label": strategy})
+    print_window_table(rows)
+    print("sent: the most any rank sent (RingStats bytes), forward and backward; peak: the largest per-rank peak "
+          "above its post-import resident set")
+    print(f"load average {os.getloadavg()[0]:.2f} after (1 min)")
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         run_child(sys.argv[2:], measure_rank, threads=json.loads(sys.argv[6])["threads"])
@@ -162,7 +205,12 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--bidirectional", action="store_true", help="bidirectional T5 encoder attention (default causal)")
     parser.add_argument("--layout", default="zigzag", choices=["contiguous", "zigzag"])
-    parser.add_argument("--strategy", default="ring", choices=["ring", "ulysses"])
+    parser.add_argument("--strategy", default="ring", choices=["ring", "ulysses", "halo", "auto"])
+    parser.add_argument("--window", type=int, default=None,
+                        help="local attention over W keys (window (W - 1, 0), causal, layout contiguous): each "
+                             "(P, L) runs every strategy of --strategies in the same run")
+    parser.add_argument("--strategies", nargs="+", default=["halo", "ring"], choices=["halo", "ring", "ulysses"],
+                        help="with --window (default: halo ring)")
     parser.add_argument("--kv-chunks", type=int, default=None,
                         help="ring: chunks a shard's keys and values travel in (default: the library's automatic choice)")
     parser.add_argument("--repeats", type=int, default=3)
@@ -174,7 +222,12 @@ def main() -> None:
     args = parser.parse_args()
     spec = {"batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "causal": not args.bidirectional,
             "layout": args.layout, "strategy": args.strategy, "repeats": args.repeats, "threads": args.threads,
-            "kv_chunks": args.kv_chunks, "timeout_s": args.timeout_s, "backend": args.backend}
+            "kv_chunks": args.kv_chunks, "timeout_s": args.timeout_s, "backend": args.backend, "window": args.window}
+    if args.window is not None:
+        if args.bidirectional or args.torchrun:
+            parser.error("--window runs causal attention in spawned processes (no --bidirectional, no --torchrun)")
+        run_windowed(args, {**spec, "layout": "contiguous"})
+        return
     load_before = os.getloadavg()
     print(f"context-parallel attention, T5 {'causal' if spec['causal'] else 'bidirectional'}, B={args.batch} "
           f"H={args.heads} D={args.head_dim}, layout {args.layout}, strategy {args.strategy}, kv_chunks "

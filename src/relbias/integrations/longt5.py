@@ -54,8 +54,9 @@ from ..biases.t5 import T5Bias
 from ..distributed.merge import merge_partials
 from ..functional import attention
 from .common import check_backend, check_model, check_transformers_version
+from .longt5_parallel import sharded_encoder_forward
 from .patches import find_patches, patched_already
-from .t5_attention import _PatchState, install_stack, restore
+from .t5_attention import _ContextParallel, _PatchState, install_stack, restore
 
 __all__ = ["LongT5Patch", "is_longt5_patched", "longt5_holder", "patch_longt5", "unpatch_longt5"]
 
@@ -78,6 +79,8 @@ class LongT5Patch:
             ``first.global_relative_attention_bias.weight``; None for local attention.
         layers: the encoder attention modules given an instance-level ``forward``.
         decoder: the decoder's T5 patch state (:func:`relbias.integrations.t5_attention.install_stack`), or None.
+        parallel: None, or the process group and settings of ``patch_longt5(process_group=...)``.
+        replaced_generate: the holder's ``generate`` was replaced by one that refuses (context parallelism).
     """
 
     backend: str | None
@@ -87,6 +90,8 @@ class LongT5Patch:
     global_bias: T5Bias | None
     layers: list = field(default_factory=list)
     decoder: _PatchState | None = None
+    parallel: _ContextParallel | None = None
+    replaced_generate: bool = False
 
 
 def longt5_holder(model: nn.Module) -> nn.Module | None:
@@ -198,22 +203,27 @@ def _padding_rows(module, patch, query, key, value, real, side=None, segments=No
     return e, i, out
 
 
-def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
+def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend, start=0, seq_len=None, reduce=None):
     """TGlobal's summary keys: ``(out (B, H, n, D), lse (B, H, n), (side_key, side_value) (B, H, G, D) each,
-    segments (B, G))`` for the first ``n = query.shape[2]`` queries (the rest are padding), the summaries from the
-    whole sequence (``hidden_states`` (B, N, d_model), ``mask2d`` (B, N) or None)."""
+    segments (B, G))`` for the ``n = query.shape[2]`` queries from position ``start`` (the rest are padding), the
+    summaries from the whole sequence: ``hidden_states`` (B, N', d_model) are the rows from ``start`` (all N of
+    them, or a context-parallel shard), ``mask2d`` (B, N) or None the whole sequence's mask (``seq_len`` N: default
+    the rows'), and ``reduce`` (default none) sums the shards' per-block sums over the ranks."""
     from transformers.models.longt5.modeling_longt5 import _make_global_fixed_block_ids
 
     b, h, n, d = query.shape
     size = module.global_block_size
     if mask2d is None:
-        mask2d = torch.ones(hidden_states.shape[:2], device=hidden_states.device)
+        mask2d = torch.ones(b, seq_len or hidden_states.shape[1], device=hidden_states.device)
     block_ids, segments = _make_global_fixed_block_ids(mask2d, size)  # (B, N) int, (B, G) int
+    block_ids = block_ids[:, start:]  # from this shard's first position
     blocks = segments.shape[-1]  # G = N // size
     # Summaries: the sum of each block's states ((B, G, d_model); transformers sums with a one-hot einsum).
-    ids = torch.where(block_ids >= 0, block_ids, blocks).long()
+    ids = torch.where(block_ids >= 0, block_ids, blocks).long()[:, : hidden_states.shape[1]]
     sums = hidden_states.new_zeros(b, blocks + 1, hidden_states.shape[-1])
     sums = sums.scatter_add(1, ids[..., None].expand(-1, -1, hidden_states.shape[-1]), hidden_states)[:, :blocks]
+    if reduce is not None:
+        sums = reduce(sums)
     summaries = module.global_input_layer_norm(sums)
     side_key = module.k(summaries).view(b, blocks, h, d).transpose(1, 2)  # (B, H, G, D)
     side_value = module.v(summaries).view(b, blocks, h, d).transpose(1, 2)
@@ -233,14 +243,14 @@ def _global_part(module, patch, hidden_states, query, mask2d, dropout, backend):
         m_rows = visible[:, None, None, None, :].expand(b, size, 1, 1, blocks).reshape(b * size, 1, 1, blocks)
     bias = _shared_bias(patch.global_bias, patch.first.global_relative_attention_bias.weight)
     out, lse = attention(
-        q_rows, k_rows, v_rows, bias=bias, mask=m_rows, convention="t5", query_start=0, key_start=0,
+        q_rows, k_rows, v_rows, bias=bias, mask=m_rows, convention="t5", query_start=start // size, key_start=0,
         return_lse=True, dropout_p=dropout, **backend,
-    )  # (B * size, H, rows, D), (B * size, H, rows)
+    )  # (B * size, H, rows, D), (B * size, H, rows); a shard starts at a block's first position
     out = out.view(b, size, h, rows, d).permute(0, 2, 3, 1, 4).reshape(b, h, rows * size, d)[:, :, :n]
     lse = lse.view(b, size, h, rows).permute(0, 2, 3, 1).reshape(b, h, rows * size)[:, :, :n]
     # Tokens of an incomplete last block belong to the block before: their side bias is computed apart.
-    positional = torch.arange(n, device=block_ids.device) // size
-    moved = (mask2d[:, :n] != 0) & (block_ids[:, :n] >= 0) & (block_ids[:, :n] != positional)
+    positional = torch.arange(start, start + n, device=block_ids.device) // size
+    moved = (mask2d[:, start:start + n] != 0) & (block_ids[:, :n] >= 0) & (block_ids[:, :n] != positional)
     if bool(moved.any()):
         e, i = moved.nonzero(as_tuple=True)
         distance = torch.arange(blocks, device=query.device)[None, :] - block_ids[e, i].long()[:, None]  # (n', G)
@@ -341,7 +351,14 @@ def _encoder_forward(module, patch, hidden_states, mask=None, position_bias=None
     return out, None
 
 
-def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+def patch_longt5(
+    model: nn.Module,
+    *,
+    backend: str | None = None,
+    process_group: object = None,
+    layout: str = "contiguous",
+    sync_bias_grads: bool = True,
+) -> nn.Module:
     """Make a transformers LongT5 model compute its self-attention with :func:`relbias.attention`.
 
     The encoder's local attention runs as one windowed call (``window=(local_radius, local_radius)``, the first
@@ -358,6 +375,23 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
             (``encoder_attention_type`` "local" or "transient-global"), or a module holding one; patched in place.
         backend: relbias backend for every self-attention layer, or None (default): :func:`relbias.attention`'s
             default ("auto").
+        process_group: None (default), or a ``torch.distributed`` process group or 1-D ``DeviceMesh`` over whose
+            ranks every sequence is sharded along its length (context parallelism): each rank calls the model with
+            its contiguous shard of ``input_ids`` / ``attention_mask`` (and of ``decoder_input_ids`` /
+            ``decoder_attention_mask``), cut with :func:`relbias.distributed.shard` (``dim=1``), and gets its shard
+            of the outputs, equal to the unsharded patched model's. The encoder's local attention fetches the
+            ``local_radius + 1`` keys on either side of the shard from its neighbours (a halo) and TGlobal's
+            summaries are summed over the group (:mod:`relbias.integrations.longt5_parallel`); a shard length that
+            is not a multiple of the local block length ``local_radius + 1`` (and with TGlobal of
+            ``global_block_size``) is refused at the call. The decoder runs as under
+            ``patch_t5(process_group=...)`` (context-parallel self-attention, the encoder's states all-gathered
+            for cross-attention), with its limits: no ``generate``, no ``output_attentions``, no attention dropout
+            in training, no ``labels`` without ``decoder_input_ids``. Gradients: the position-bias tables come back
+            summed over the group (see ``sync_bias_grads``), every other parameter's as this rank's part.
+        layout: with ``process_group``: "contiguous" (the only one: LongT5's local blocks and global blocks must
+            each lie on one rank).
+        sync_bias_grads: with ``process_group``: True (default) sums the tables' gradients over the group in
+            backward; False leaves each rank its part, like every other parameter's.
 
     Returns:
         ``model``, patched.
@@ -367,7 +401,9 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         RuntimeError: a transformers version outside ``SUPPORTED_TRANSFORMERS``.
         TypeError: no LongT5 stack in ``model``.
         ValueError: an unknown backend or ``encoder_attention_type``; a decoder with an attention implementation
-            other than "sdpa" / "eager"; ``model`` is, or holds, a model patched already with another backend.
+            other than "sdpa" / "eager"; ``model`` is, or holds, a model patched already with another backend (or
+            either patch has a ``process_group``); a ``layout`` other than "contiguous" with ``process_group``.
+        RuntimeError: ``process_group`` without an initialised torch.distributed.
 
     Warns:
         UserWarning: ``model`` is, or holds, a model patched already with this backend (the same model twice, or a
@@ -381,9 +417,11 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     check_backend(backend)
     patched = _patches(model)
     if patched:
-        return patched_already(model, patched[0], "patch_longt5", patched[0].state.backend, backend)
+        return patched_already(model, patched[0], "patch_longt5", patched[0].state.backend, backend,
+                               same=process_group is None and patched[0].state.parallel is None)
+    parallel = _context_parallel(process_group, layout, sync_bias_grads)
     encoder, decoder = getattr(holder, "encoder", None), getattr(holder, "decoder", None)
-    state = LongT5Patch(backend=backend, kind=None, first=None, local_bias=None, global_bias=None)
+    state = LongT5Patch(backend=backend, kind=None, first=None, local_bias=None, global_bias=None, parallel=parallel)
     if decoder is not None:
         implementation = decoder.config._attn_implementation
         if implementation not in _MASK_IMPLEMENTATIONS:
@@ -415,14 +453,46 @@ def patch_longt5(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         bias = T5Bias(top.n_heads, num_buckets=top.relative_attention_num_buckets,
                       max_distance=top.relative_attention_max_distance, bidirectional=False, init_std=0.0)
         bias.weight = top.relative_attention_bias.weight
-        state.decoder = _PatchState(backend=backend, configs=[], hooked=[])
+        state.decoder = _PatchState(backend=backend, configs=[], hooked=[], parallel=parallel)
         install_stack(state.decoder, decoder, attentions_dec, [bias] * len(attentions_dec))
     if encoder is not None:
+        forward = _encoder_forward if parallel is None else sharded_encoder_forward
         for module in attentions:
-            module.forward = functools.partial(_encoder_forward, module, state)
+            module.forward = functools.partial(forward, module, state)
             state.layers.append(module)
+    if parallel is not None:
+        from .t5 import _gather_encoder_states, _refuse_generate, _refuse_labels
+
+        if decoder is not None:
+            state.decoder.handles.append(
+                decoder.register_forward_pre_hook(_gather_encoder_states(parallel), with_kwargs=True))
+            state.decoder.handles.append(model.register_forward_pre_hook(_refuse_labels, with_kwargs=True))
+        if hasattr(holder, "generate"):
+            holder.generate = _refuse_generate
+            state.replaced_generate = True
     setattr(holder, _STATE_ATTR, state)  # on the module it changes: a module holding it, or it alone, sees it
     return model
+
+
+def _context_parallel(process_group, layout: str, sync_bias_grads: bool) -> _ContextParallel | None:
+    """patch_longt5's context-parallel settings, checked; None without a ``process_group``."""
+    if process_group is None:
+        return None
+    import torch.distributed as dist
+
+    from ..distributed.groups import resolve_group
+
+    if layout != "contiguous":
+        raise ValueError(
+            f"patch_longt5(process_group=...) shards sequences in the contiguous layout only (LongT5's local and "
+            f"global blocks must each lie on one rank; under a window the contiguous layout is balanced), got "
+            f"layout={layout!r}"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("patch_longt5(process_group=...) needs an initialised torch.distributed process group")
+    if not isinstance(sync_bias_grads, bool):
+        raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
+    return _ContextParallel(resolve_group(process_group, argument="process_group"), layout, "auto", sync_bias_grads)
 
 
 def unpatch_longt5(model: nn.Module) -> nn.Module:
@@ -445,5 +515,7 @@ def unpatch_longt5(model: nn.Module) -> nn.Module:
             del module.forward  # transformers' own forward again
         if state.decoder is not None:
             restore(state.decoder)
+        if state.replaced_generate:
+            del holder.generate
         delattr(holder, _STATE_ATTR)
     return model

@@ -66,7 +66,14 @@ __all__ = [
 ]
 
 
-def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
+def patch(
+    model: nn.Module,
+    *,
+    backend: str | None = None,
+    process_group: object = None,
+    layout: str = "contiguous",
+    sync_bias_grads: bool = True,
+) -> nn.Module:
     """Make a transformers model with an offset-only relative bias compute its attention with relbias.
 
     Recognises, in this order: LongT5 and any module holding its stacks
@@ -81,6 +88,13 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
     Args:
         model: the model, patched in place.
         backend: a relbias backend name, or None (default): :func:`relbias.attention`'s default ("auto").
+        process_group: None (default), or the process group (or 1-D DeviceMesh) of context parallelism, for
+            LongT5 and the T5 family (each rank passes its shard of every sequence; see ``patch_longt5`` and
+            ``patch_t5``).
+        layout: with ``process_group``: the sequences' layout, "contiguous" (default) or, for the T5 family,
+            "zigzag".
+        sync_bias_grads: with ``process_group``: sum the position-bias tables' gradients over the group (default
+            True).
 
     Returns:
         ``model``, patched.
@@ -89,7 +103,9 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
         TypeError: ``model`` is not a ``torch.nn.Module`` (a checkpoint's name, say: the message says how to load
             it); no architecture relbias patches in ``model`` (the message lists them); and the errors of the
             patch that applies (e.g. a Falcon with rotary embeddings).
-        ValueError: as that patch (unknown backend, patched already with another backend, ...).
+        ValueError: as that patch (unknown backend, patched already with another backend, ...); a
+            ``process_group`` for MPNet or an ALiBi decoder (context parallelism is offered for LongT5 and the T5
+            family).
 
     Warns:
         UserWarning: ``model`` is, or holds, a patched model (a base model patched through its head too) with the
@@ -103,21 +119,27 @@ def patch(model: nn.Module, *, backend: str | None = None) -> nn.Module:
 
     check_model(model, "patch")
     check_transformers_version()
+    parallel = {} if process_group is None else dict(
+        process_group=process_group, layout=layout, sync_bias_grads=sync_bias_grads)
     if longt5_holder(model) is not None:
-        return patch_longt5(model, backend=backend)
+        return patch_longt5(model, backend=backend, **parallel)
     try:
         t5_stacks(model)
     except TypeError as refusal:
-        if mpnet_encoder(model) is not None:
-            return patch_mpnet(model, backend=backend)
-        if alibi_decoder(model) is not None:
-            return patch_alibi(model, backend=backend)
+        for found, patch_family in ((mpnet_encoder, patch_mpnet), (alibi_decoder, patch_alibi)):
+            if found(model) is not None:
+                if parallel:
+                    raise ValueError(
+                        f"patch(process_group=...): context parallelism is offered for LongT5 and the T5 family; "
+                        f"{type(model).__name__} is patched by {patch_family.__name__}, which takes no process group"
+                    ) from None
+                return patch_family(model, backend=backend)
         raise TypeError(
             f"relbias patches T5-family models (and modules holding their stacks), MPNet models (and modules "
             f"holding an MPNetEncoder), the ALiBi decoders BLOOM, MPT and Falcon (alibi=True) and LongT5 models; "
             f"{type(model).__name__} is none of them: {refusal}"
         ) from None
-    return patch_t5(model, backend=backend)
+    return patch_t5(model, backend=backend, **parallel)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
