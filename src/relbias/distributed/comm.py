@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["Pending", "RingChannel", "all_gather_seq", "all_reduce_sum", "all_to_all_dim0", "exchange", "nbytes",
-           "start_exchange"]
+           "start_exchange", "sum_gradients"]
 
 
 @contextlib.contextmanager
@@ -157,3 +157,29 @@ def all_reduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None)
         out.append(flat[at : at + t.numel()].view_as(t).to(t.dtype))
         at += t.numel()
     return out
+
+
+class _SumGradients(torch.autograd.Function):
+    """Identity forward; backward: the gradient summed over the group (one ``all_reduce``)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, what):
+        ctx.group, ctx.what = group, what
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        with exchange(ctx.group, ctx.what):
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None, None
+
+
+def sum_gradients(tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str = "a gradients' all-reduce"):
+    """``tensor`` itself (a copy) whose gradient, in backward, is summed over ``group``: each rank's part of a
+    quantity every rank computes from a replicated parameter (bias values of this rank's heads, block sums of this
+    rank's tokens) becomes the whole gradient on every rank. Every rank of the group must run the backward through
+    it, with the same shape. ``what``: the exchange, as an error names it."""
+    if dist.get_world_size(group) == 1:
+        return tensor
+    return _SumGradients.apply(tensor, group, what)

@@ -121,7 +121,7 @@ def self_attention_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
     return found
 
 
-def t5_biases_from_model(model: nn.Module, *, share_weights: bool = False) -> T5Biases:
+def t5_biases_from_model(model: nn.Module, *, share_weights: bool = False, head_shards: int = 1) -> T5Biases:
     """Build the relbias T5 bias modules of a Hugging Face T5, mT5 or UMT5 model.
 
     Args:
@@ -130,6 +130,8 @@ def t5_biases_from_model(model: nn.Module, *, share_weights: bool = False) -> T5
         share_weights: False (default): each ``T5Bias.weight`` is a detached copy of the model's table (same dtype
             and device). True: it *is* the model's ``relative_attention_bias.weight`` parameter, so training either
             trains both.
+        head_shards: the tensor-parallel group size T (default 1): a layer whose ``n_heads`` is already its rank's
+            share H/T of the table's H heads is accepted too.
 
     Returns:
         :class:`T5Biases`; ``num_heads``, ``num_buckets``, ``max_distance`` are the attention modules'
@@ -154,7 +156,8 @@ def t5_biases_from_model(model: nn.Module, *, share_weights: bool = False) -> T5
                     share=share_weights,
                     where=where,
                 )
-                if (bias.num_buckets, bias.num_heads) != (attention.relative_attention_num_buckets, attention.n_heads):
+                heads = {bias.num_heads, bias.num_heads // head_shards}  # sharded by tensor parallelism, or not yet
+                if bias.num_buckets != attention.relative_attention_num_buckets or attention.n_heads not in heads:
                     raise ValueError(
                         f"{where}: table of shape {tuple(bias.weight.shape)} does not match num_buckets="
                         f"{attention.relative_attention_num_buckets}, num_heads={attention.n_heads}"

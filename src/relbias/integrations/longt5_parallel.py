@@ -25,30 +25,12 @@ import math
 import torch
 from torch import nn
 
-from ..distributed.comm import all_gather_seq, exchange
+from ..distributed.comm import all_gather_seq, exchange, sum_gradients
 from ..distributed.halo.gather import gather_halo
 from ..distributed.merge import merge_partials
 from ..functional import attention
 
 __all__ = ["check_shard_length", "sharded_encoder_forward"]
-
-
-class _SumGrads(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over the group (every rank's part of a replicated table's)."""
-
-    @staticmethod
-    def forward(ctx, table, group):
-        ctx.group = group
-        return table.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        import torch.distributed as dist
-
-        grad = grad.contiguous().clone()
-        with exchange(ctx.group, "the all-reduce of LongT5's table gradients"):
-            dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class _SumBlocks(torch.autograd.Function):
@@ -67,19 +49,19 @@ class _SumBlocks(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _SumBlocks.apply(grad, ctx.group), None
+        return _SumBlocks.apply(grad.contiguous(), ctx.group), None
 
 
 @contextlib.contextmanager
 def _tables_summed(modules_and_names, group):
     """Within the block, each ``(module, name)`` parameter (one table, held by several modules) reads through
-    :class:`_SumGrads`: the same values, and a gradient summed over the group."""
+    :func:`relbias.distributed.comm.sum_gradients`: the same values, and a gradient summed over the group."""
     swapped = {}
     originals = []
     for module, name in modules_and_names:
         table = module._parameters[name]
         if id(table) not in swapped:
-            swapped[id(table)] = _SumGrads.apply(table, group)
+            swapped[id(table)] = sum_gradients(table, group, "the all-reduce of LongT5's table gradients")
         originals.append((module, name, table))
         module._parameters[name] = swapped[id(table)]
     try:

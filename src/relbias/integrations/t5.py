@@ -184,6 +184,7 @@ def patch_t5(
     layout: str = "contiguous",
     strategy: str = "auto",
     sync_bias_grads: bool = True,
+    tensor_parallel: object = None,
 ) -> nn.Module:
     """Make a transformers T5-family model compute its self-attention with :func:`relbias.attention`.
 
@@ -233,7 +234,18 @@ def patch_t5(
         sync_bias_grads: with ``process_group``: True (default) sums the ``relative_attention_bias`` gradients over
             the group in backward; False leaves each rank its part, like every other parameter's, for a
             data-parallel wrapper that reduces over the group's ranks too (FSDP2 over a flattened data x context
-            mesh; see :func:`relbias.distributed.context_parallel_attention`).
+            mesh; see :func:`relbias.distributed.context_parallel_attention`). With ``tensor_parallel`` it applies
+            to that group too.
+        tensor_parallel: None (default), or the process group (a 1-D ``DeviceMesh``, ``mesh["tp"]``) of tensor
+            parallelism (Shoeybi et al. 2019, Megatron-LM, §3): the caller shards every attention layer's ``q``,
+            ``k``, ``v`` column-wise and ``o`` row-wise (``torch.distributed.tensor.parallel.parallelize_module``
+            with ``ColwiseParallel`` / ``RowwiseParallel``) and sets its ``n_heads`` to H/T and ``inner_dim`` to
+            H/T x d_kv, so that rank t computes heads ``[t·H/T, (t+1)·H/T)``; the patch gives each self-attention
+            layer those heads' columns of the replicated ``relative_attention_bias`` table
+            (:class:`relbias.distributed.tensor_parallel.TensorParallelHeads`), and the table's gradient comes back
+            whole on every rank (summed over the group: each rank's is its heads' columns). Composes with
+            ``process_group`` (a 2-D mesh, ``mesh["tp"]`` and ``mesh["cp"]``). A layer whose query does not hold
+            H/T heads raises a ValueError naming the recipe (docs/context-parallel.md).
 
     Returns:
         ``model``, patched.
@@ -265,7 +277,19 @@ def patch_t5(
     if patched:
         state = patched[0].state
         return patched_already(model, patched[0], "patch_t5", state.backend, backend,
-                               same=process_group is None and state.parallel is None)
+                               same=process_group is None and state.parallel is None and tensor_parallel is None
+                               and state.tensor_parallel is None)
+    tp_group = None
+    if tensor_parallel is not None:
+        import torch.distributed as dist
+
+        from ..distributed.groups import resolve_group
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("patch_t5(tensor_parallel=...) needs an initialised torch.distributed process group")
+        if not isinstance(sync_bias_grads, bool):
+            raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
+        tp_group = resolve_group(tensor_parallel, argument="tensor_parallel")
     parallel = None
     if process_group is not None:
         import torch.distributed as dist
@@ -296,8 +320,19 @@ def patch_t5(
             if type(module) is not attention_cls:
                 raise TypeError(f"{name} layer {layer} is a {type(module).__name__}, expected {attention_cls.__name__}")
 
-    biases = t5_biases_from_model(holder, share_weights=True)
-    state = _PatchState(backend=backend, configs=[], hooked=[], parallel=parallel)
+    import torch.distributed as dist
+
+    shards = 1 if tensor_parallel is None else dist.get_world_size(tp_group)
+    biases = t5_biases_from_model(holder, share_weights=True, head_shards=shards)
+    state = _PatchState(backend=backend, configs=[], hooked=[], parallel=parallel,
+                        tensor_parallel=tensor_parallel,
+                        sync_bias_grads=sync_bias_grads)
+    if tensor_parallel is not None:
+        from ..distributed.tensor_parallel import rank_heads
+
+        for name in stacks:  # refused now, not at the first call: heads that do not divide over the group
+            for bias in biases.stack(name):
+                rank_heads(bias.num_heads, tp_group)
     for name, attentions in stacks.items():
         install_stack(state, getattr(holder, name), attentions, biases.stack(name))
     if parallel is not None:

@@ -92,6 +92,9 @@ class _PatchState:
     hooked: list  # attention modules given an instance-level compute_bias
     parallel: _ContextParallel | None = None
     handles: list = field(default_factory=list)  # forward (pre-)hook handles (context parallelism)
+    tensor_parallel: object = None  # patch_t5's tensor_parallel (a group or 1-D mesh; None: every head on every rank)
+    sync_bias_grads: bool = True  # under tensor_parallel: the tables' gradients summed over its group
+    head_views: dict = field(default_factory=dict, repr=False)  # id(T5Bias) -> its TensorParallelHeads
     replaced_generate: bool = False  # an instance-level generate refusing under context parallelism
     generate_owner: nn.Module | None = None  # the module given that generate (None: the one holding this state)
 
@@ -119,10 +122,39 @@ def _compute_bias(attention_module: nn.Module, bias: T5Bias, state: _PatchState,
         query_start = past_seen_tokens
     else:
         query_start = int(past_seen_tokens)
+    if state.tensor_parallel is not None:  # this rank's heads of the replicated table
+        bias = _rank_heads(state, bias)
     return T5PositionBias(
         bias, int(query_length), int(key_length), query_start=query_start, backend=state.backend,
         parallel=state.parallel,
     )
+
+
+def _rank_heads(state: _PatchState, bias: T5Bias):
+    """The :class:`relbias.distributed.tensor_parallel.TensorParallelHeads` of ``bias`` for this rank (made once)."""
+    view = state.head_views.get(id(bias))
+    if view is None or view.parent is not bias:
+        from ..distributed.groups import resolve_group
+        from ..distributed.tensor_parallel import TensorParallelHeads, rank_heads
+
+        group = resolve_group(state.tensor_parallel, argument="tensor_parallel")
+        start, stop = rank_heads(bias.num_heads, group)
+        view = TensorParallelHeads(bias, start, stop, group=group, sync_grads=state.sync_bias_grads)
+        state.head_views[id(bias)] = view
+    return view
+
+
+def _check_heads(query: torch.Tensor, position_bias: T5PositionBias) -> None:
+    """Under ``patch_t5(tensor_parallel=...)``: the layer's query holds this rank's heads."""
+    bias = position_bias.bias
+    if getattr(bias, "parent", None) is not None and query.shape[1] != bias.num_heads:
+        raise ValueError(
+            f"patch_t5(tensor_parallel=...) gives this rank heads [{bias.start}, {bias.stop}) of "
+            f"{bias.parent.num_heads}, but the layer's query has {query.shape[1]} heads: shard q, k and v column-wise "
+            f"and o row-wise (torch.distributed.tensor.parallel.parallelize_module) and set each attention "
+            f"module's n_heads to {bias.num_heads} and inner_dim to {bias.num_heads} x d_kv "
+            f"(docs/context-parallel.md, tensor parallelism)"
+        )
 
 
 def _context_parallel_attention(module, query, key, value, attention_mask, dropout, position_bias, kwargs):
@@ -215,6 +247,7 @@ def relbias_t5_attention(
             f"the position bias was made for query_len={position_bias.query_len}, key_len={position_bias.key_len} "
             f"but this layer has {query.shape[2]}, {key.shape[2]}"
         )
+    _check_heads(query, position_bias)
     if position_bias.parallel is not None:
         return _context_parallel_attention(module, query, key, value, attention_mask, dropout, position_bias, kwargs)
     causal = bool(getattr(module, "is_causal", False))

@@ -1,0 +1,162 @@
+"""Cases of the tensor-parallel tests: a patched T5 whose attention layers are sharded by heads with
+``torch.distributed.tensor.parallel.parallelize_module`` (q, k, v column-wise, o row-wise) on a "tp" mesh of 2
+ranks, alone or beside a "cp" dimension of 2 (4 ranks), against the single-process patched model: outputs and every
+parameter's gradient. Shared by test_tensor_parallel.py (names) and _tp_worker.py (running them)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from relbias.distributed import shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _tolerance  # noqa: E402  (tests/_tolerance.py)
+
+B = 2
+
+
+def hf_helpers():
+    """tests/integrations/conftest.py (tiny_model, batch), loaded under its own name."""
+    name = "_relbias_tiny_t5_helpers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "integrations/conftest.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+@dataclass(frozen=True)
+class TpCase:
+    name: str
+    family: str = "t5"
+    sync_bias_grads: bool = True
+    context_parallel: bool = False  # 4 ranks only: a 2 x 2 ("cp", "tp") mesh
+
+
+CASES = [
+    TpCase("t5-tp"),
+    TpCase("umt5-tp", family="umt5"),  # a table per layer
+    TpCase("t5-tp-unsynced", sync_bias_grads=False),
+    TpCase("t5-tp-cp", context_parallel=True),
+]
+
+REFUSALS = {
+    "heads_not_sharded": ("ValueError", "shard q, k and v column-wise"),
+    "heads_not_divisible": ("ValueError", "must be divisible by"),
+}
+
+
+def shard_heads(model, tp_mesh) -> None:
+    """The recipe of docs/context-parallel.md: every T5 attention layer's q, k, v column-wise and o row-wise, and its
+    head count and inner dimension set to this rank's share."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from transformers.models.t5.modeling_t5 import T5Attention
+    from transformers.models.umt5.modeling_umt5 import UMT5Attention
+
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    size = tp_mesh.size()
+    for module in model.modules():
+        if isinstance(module, (T5Attention, UMT5Attention)):
+            parallelize_module(module, tp_mesh, plan)
+            module.n_heads //= size
+            module.inner_dim //= size
+
+
+def _excess(got, want, n: int, scale=None) -> float:
+    if got is None or want is None:
+        return float("inf") if (got is None) != (want is None) else 0.0
+    atol, rtol = _tolerance.rounding_tolerance(want, n=n, scale=scale)
+    return max(((got - want).abs() - (atol + rtol * want.abs())).max().item(), 0.0)
+
+
+def run_case(case: TpCase, rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from relbias.integrations.transformers import patch_t5
+
+    hf = hf_helpers()
+    if case.context_parallel:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+        cp_group, cp_size, cp_rank = mesh["cp"], 2, mesh["cp"].get_local_rank()
+    else:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+        cp_group, cp_size, cp_rank = None, 1, 0
+    ref = patch_t5(hf.tiny_model(case.family))
+    model = hf.tiny_model(case.family)
+    shard_heads(model, mesh["tp"])
+    model = patch_t5(model, tensor_parallel=mesh["tp"], process_group=cp_group, sync_bias_grads=case.sync_bias_grads)
+    input_ids, attention_mask = hf.batch(batch_size=B, length=32, pad_last=7, seed=6)
+    dec_ids, dec_mask = hf.batch(batch_size=B, length=16, pad_last=3, seed=2)
+    labels, _ = hf.batch(batch_size=B, length=16, seed=3)
+
+    def local(t):
+        return t if cp_size == 1 else shard(t, cp_size, cp_rank, dim=1)
+
+    def run(m, ids, mask, d_ids, d_mask, lab):
+        out = m(input_ids=ids, attention_mask=mask, decoder_input_ids=d_ids, decoder_attention_mask=d_mask,
+                use_cache=False)
+        F.cross_entropy(out.logits.flatten(0, 1), lab.flatten(), reduction="sum").backward()
+        return out
+
+    want = run(ref, input_ids, attention_mask, dec_ids, dec_mask, labels)
+    got = run(model, *(local(t) for t in (input_ids, attention_mask, dec_ids, dec_mask, labels)))
+    tokens = B * 32
+    errors = {"encoder": _excess(got.encoder_last_hidden_state, local(want.encoder_last_hidden_state), tokens),
+              "logits": _excess(got.logits, local(want.logits), tokens)}
+    scales: dict = {}
+    for name, rp in ref.named_parameters():
+        if rp.grad is not None:
+            owner = name.rpartition(".")[0]
+            scales[owner] = max(scales.get(owner, 0.0), rp.grad.abs().max().item())
+    tp_group = mesh["tp"].get_group()
+    for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
+        grad = p.grad
+        table = name.endswith("relative_attention_bias.weight")
+        if isinstance(grad, DTensor):  # a sharded projection: its shards' gradients, whole
+            grad = grad.full_tensor()
+        elif grad is not None and table and not case.sync_bias_grads:  # each rank its heads' columns: sum them
+            grad = grad.clone()
+            dist.all_reduce(grad, group=tp_group)
+            if cp_group is not None:
+                dist.all_reduce(grad, group=cp_group.get_group())
+        if grad is not None and cp_group is not None and not table:  # the sequence shards' parts, summed
+            grad = grad.clone()
+            dist.all_reduce(grad, group=cp_group.get_group())
+        errors["d:" + name] = _excess(grad, rp.grad, tokens, scale=scales.get(name.rpartition(".")[0]))
+    if not case.sync_bias_grads:  # each rank's table gradient holds only its heads' columns
+        per = 4 // mesh["tp"].size()  # the tiny model's 4 heads over the group
+        start = mesh["tp"].get_local_rank() * per
+        for name, p in model.named_parameters():
+            if name.endswith("relative_attention_bias.weight"):
+                others = torch.cat([p.grad[:, :start], p.grad[:, start + per:]], dim=1)
+                errors["other_heads_zero:" + name] = others.abs().max().item()
+    return {"errors": errors}
+
+
+def run_refusal(name: str, rank: int, world_size: int) -> str | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from relbias.integrations.transformers import patch_t5
+
+    hf = hf_helpers()
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",))
+    try:
+        if name == "heads_not_divisible":
+            patch_t5(hf.tiny_model("t5", num_heads=3 if world_size == 2 else 6), tensor_parallel=mesh["tp"])
+            return None
+        model = patch_t5(hf.tiny_model("t5"), tensor_parallel=mesh["tp"])  # projections left whole
+        ids, mask = hf.batch(batch_size=1, length=8)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, decoder_input_ids=ids)
+    except Exception as exc:  # noqa: BLE001 - reported to the test, which checks type and message
+        return f"{type(exc).__name__}: {exc}"
+    return None
