@@ -144,6 +144,7 @@ REFUSALS = {
     "kv_chunks_differ_across_ranks": ("ValueError", "different shapes or settings to context-parallel attention"),
     "mask_on_some_ranks": ("ValueError", "mask (batch, 0: none): [1, 0"),
     "scale_differs_across_ranks": ("ValueError", "scale: [0.5, 0.25"),
+    "convention_differs_across_ranks": ("ValueError", "convention: ['seed', 'additive'"),
     "dtype_differs_across_ranks": ("ValueError", "dtype: ['torch.float32', 'torch.float64'"),
     "window_negative": ("ValueError", "window left must be >= 0"),
     "window_differs_across_ranks": ("ValueError", "window left (-1: none): [4, 5"),
@@ -263,6 +264,8 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2], dtype=torch.bool) if rank == 0 else None
     elif name == "scale_differs_across_ranks":
         kwargs["scale"] = 0.5 if rank == 0 else 0.25
+    elif name == "convention_differs_across_ranks":
+        kwargs.update(scale=0.5, convention="seed" if rank == 0 else "additive")
     elif name == "dtype_differs_across_ranks":
         q = q if rank == 0 else q.double()
     elif name == "mask_wrong_shape_on_last_rank":
@@ -285,3 +288,21 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
     except Exception as exc:  # noqa: BLE001 - reported to the test, which checks type and message
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def run_in_place(rank: int, world_size: int) -> dict:
+    """Each strategy's output changed in place before backward (as ``F.dropout(out, inplace=True)`` does), float32
+    and float64: ``{strategy-dtype: None, or the error}``."""
+    got = {}
+    for strategy in ("ring", "halo", "ulysses"):
+        for dtype in (torch.float32, torch.float64):
+            torch.manual_seed(0)
+            q = torch.randn(1, H, 8, D, dtype=dtype, requires_grad=True)
+            try:
+                out = context_parallel_attention(q, q, q, strategy=strategy, window=(3, 3), bias=relbias.T5Bias(H).to(dtype))
+                out.mul_(2.0)
+                out.sum().backward()
+                got[f"{strategy}-{dtype}"] = None if q.grad is not None else "no gradient"
+            except Exception as exc:  # noqa: BLE001 - reported to the test
+                got[f"{strategy}-{dtype}"] = f"{type(exc).__name__}: {exc}"
+    return got

@@ -82,6 +82,8 @@ REFUSALS = {
     "mha_attn_mask": ("ValueError", "attn_mask is not supported"),
     "mha_cache": ("NotImplementedError", "KV caches"),
     "mha_float_key_padding": ("TypeError", "must be bool"),
+    "mha_halo_zigzag": ("ValueError", "strategy 'halo' exchanges the keys next to each contiguous shard"),
+    "mha_halo_no_window": ("ValueError", "strategy 'halo' needs a window bounded on both sides"),
     "t5_generate": ("NotImplementedError", "generate() is not supported"),
     "t5_cached_decoding": ("NotImplementedError", "incremental decoding"),
     "t5_labels_only": ("ValueError", "decoder_input_ids"),
@@ -281,7 +283,11 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
     """Make the refused call; return ``"TypeName: message"`` of what it raised, or None if it did not raise."""
     torch.manual_seed(0)
     try:
-        if name.startswith("mha_"):
+        if name.startswith("mha_halo_"):
+            zigzag = name.endswith("zigzag")
+            MultiheadAttention(E, H, batch_first=True, process_group=dist.group.WORLD, cp_strategy="halo",
+                               window=(3, 3) if zigzag else None, cp_layout="zigzag" if zigzag else "contiguous")
+        elif name.startswith("mha_"):
             layer = MultiheadAttention(E, H, batch_first=True, process_group=dist.group.WORLD)
             x = torch.randn(1, 8, E)
             if name == "mha_need_weights":

@@ -129,3 +129,11 @@ def test_halo_traffic_does_not_grow_with_the_sequence(groups, world_size):
         assert ring[0] > res["comparisons"][short]["traffic"][0]
     auto = [res["comparisons"]["t5_causal-causal-contiguous-auto-pad-window9_0"] for res in groups[world_size]]
     assert [a["traffic"] for a in auto] == [res["comparisons"][short]["traffic"] for res in groups[world_size]]
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_output_may_be_changed_in_place(groups, world_size):
+    """The returned output is not the tensor backward reads: changing it in place, then backward, works (ring, halo,
+    ulysses; float32, where no cast copies it, and float64)."""
+    for rank, res in enumerate(groups[world_size]):
+        assert res.get("in_place") and not any(res["in_place"].values()), (rank, res.get("in_place"), res["log"])

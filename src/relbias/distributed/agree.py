@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import exchange
+from ..biases.base import CONVENTIONS
 from .layout import LAYOUTS
 from .validate import STRATEGIES, ContextParallelCall
 
@@ -43,14 +44,15 @@ def _float(bits: int) -> float:
 
 #: how the message shows a setting's int (the others: as it is)
 _SHOWN = {"dtype": lambda code: _DTYPE_NAMES.get(code, code), "layout": LAYOUTS.__getitem__,
-          "strategy": STRATEGIES.__getitem__, "is_causal": bool, "scale": _float, "sync_bias_grads": bool}
+          "strategy": STRATEGIES.__getitem__, "is_causal": bool, "scale": _float, "sync_bias_grads": bool,
+          "convention": CONVENTIONS.__getitem__}
 
 
 #: What must be equal on every rank, in the order :func:`_settings` gives it.
 _NAMES = (
     "batch", "num_heads", "local length (L/P)", "head_dim", "value head_dim", "dtype", "layout", "strategy",
     "is_causal", "scale", "bias (num_heads, 0: none)", "mask (batch, 0: none)", "mask (num_heads, 0: none)",
-    "kv_chunks", "sync_bias_grads", "window left (-1: none)", "window right (-1: none)",
+    "kv_chunks", "sync_bias_grads", "window left (-1: none)", "window right (-1: none)", "convention",
 )
 
 
@@ -63,14 +65,15 @@ def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tenso
         STRATEGIES.index(call.strategy), int(settings.is_causal), _bits(settings.scale),
         0 if bias is None else bias.num_heads, 0 if mask is None else mask.shape[0],
         0 if mask is None else mask.shape[1], call.kv_chunks, int(call.sync_bias_grads),
-        _side(settings.window, 0), _side(settings.window, 1),
+        _side(settings.window, 0), _side(settings.window, 1), CONVENTIONS.index(settings.convention),
     ), strict=True))
 
 
 def _side(window: tuple[int | None, int | None] | None, index: int) -> int:
-    """One side of a validated window as an int: -1 for no window or no bound on that side."""
+    """One side of a validated window as an int: -1 for no window or no bound on that side; sides of 2**62 tokens or
+    more (longer than any sequence, so alike in effect) as 2**62, which an int64 holds."""
     side = None if window is None else window[index]
-    return -1 if side is None else side
+    return -1 if side is None else min(side, 1 << 62)
 
 
 _REFUSALS = {"TypeError": TypeError, "ValueError": ValueError}

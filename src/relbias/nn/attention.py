@@ -105,7 +105,8 @@ class MultiheadAttention(nn.Module):
             positions ``[r·L/P, (r+1)·L/P)``) or "zigzag" (see :mod:`relbias.distributed.layout`).
         cp_strategy: with ``process_group``, self-attention's strategy: "auto" (default: "halo" for a ``window``
             bounded on both sides, the right by ``is_causal`` too, with ``cp_layout="contiguous"``, else "ring"),
-            "ring", "ulysses" or "halo" (:func:`relbias.distributed.context_parallel_attention`).
+            "ring", "ulysses" or "halo" (:func:`relbias.distributed.context_parallel_attention`; "halo" with
+            ``cp_layout="zigzag"`` or without a window's left side is refused here, a ValueError).
         cp_sync_bias_grads: with ``process_group``: True (default) sums the ``position_bias`` gradients over the
             group in backward; False leaves each rank its part, like every other parameter's, for a data-parallel
             wrapper that reduces over the group's ranks too (FSDP2 over a flattened data x context mesh;
@@ -183,7 +184,7 @@ class MultiheadAttention(nn.Module):
             raise ValueError("is_causal applies to self-attention; a cross-attention layer sees the whole memory")
         from ..distributed.groups import resolve_group
         from ..distributed.layout import check_layout
-        from ..distributed.validate import STRATEGIES
+        from ..distributed.validate import STRATEGIES, resolve_strategy
 
         check_layout(cp_layout)
         if cp_strategy not in STRATEGIES:
@@ -192,6 +193,8 @@ class MultiheadAttention(nn.Module):
             raise TypeError(f"cp_sync_bias_grads must be a bool, got {cp_sync_bias_grads!r}")
         resolve_group(process_group, argument="process_group")  # the type and shape checks, at construction
         self.window = check_window(window)
+        if process_group is not None and cp_strategy == "halo":  # what no call can run (is_causal may come later)
+            resolve_strategy(cp_strategy, cp_layout, self.window, True, 1)
         self.process_group, self.cp_layout, self.cp_strategy = process_group, cp_layout, cp_strategy
         self.cp_sync_bias_grads = cp_sync_bias_grads
         self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads

@@ -200,7 +200,7 @@ class _HaloFunction(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.halo = halo  # received in this call (not inputs): the halo blocks' backward reads them
         ctx.params, ctx.call, ctx.stats = params, call, stats
-        return out.to(query.dtype)
+        return out.to(query.dtype, copy=True)  # not the saved tensor itself: the caller may change it in place
 
     @staticmethod
     @first_order("halo", subject="context-parallel attention (strategy 'halo')", instead=DOUBLE_BACKWARD_HINT)

@@ -167,7 +167,7 @@ class _RingFunction(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, lse)
         ctx.params = params  # the module's own parameter objects: the recomputed blocks read these
         ctx.call, ctx.stats = call, stats
-        return out.to(query.dtype)
+        return out.to(query.dtype, copy=True)  # not the saved tensor itself: the caller may change it in place
 
     @staticmethod
     @first_order("ring", subject="context-parallel attention (strategy 'ring')", instead=DOUBLE_BACKWARD_HINT)

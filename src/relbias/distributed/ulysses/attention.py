@@ -90,7 +90,8 @@ class _UlyssesFunction(torch.autograd.Function):
             out = _local_attention(call, *leaves, mask)
         ctx.graph, ctx.reshard, ctx.call = (leaves, out), reshard, call
         ctx.params = params  # the module's own parameter objects, which the kept graph reads
-        return reshard.to_sequence(out.detach())
+        result = reshard.to_sequence(out.detach())
+        return result if result._base is None else result.clone()  # a view cannot be changed in place
 
     @staticmethod
     @first_order("ulysses", subject="context-parallel attention (strategy 'ulysses')", instead=DOUBLE_BACKWARD_HINT)
