@@ -25,6 +25,9 @@ Usage::
     python benchmarks/bench_context_parallel.py --world-sizes 1 2 --lengths 1024 --repeats 1   # smoke run
     # local attention (W = 256 keys, causal): the halo against the ring at each (P, L), in the same run
     python benchmarks/bench_context_parallel.py --window 256 --world-sizes 2 4 --lengths 65536
+    # ... on GPUs, one strategy per launch
+    torchrun --nproc-per-node 4 benchmarks/bench_context_parallel.py --torchrun --backend nccl --window 256 \
+        --strategy halo --lengths 1048576
     # several machines (one process per GPU, NCCL), one P per launch, printed by rank 0:
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-endpoint HOST:29500 benchmarks/bench_context_parallel.py \\
         --torchrun --backend nccl --lengths 32768
@@ -224,13 +227,16 @@ def main() -> None:
             "layout": args.layout, "strategy": args.strategy, "repeats": args.repeats, "threads": args.threads,
             "kv_chunks": args.kv_chunks, "timeout_s": args.timeout_s, "backend": args.backend, "window": args.window}
     if args.window is not None:
-        if args.bidirectional or args.torchrun:
-            parser.error("--window runs causal attention in spawned processes (no --bidirectional, no --torchrun)")
-        run_windowed(args, {**spec, "layout": "contiguous"})
-        return
+        if args.bidirectional:
+            parser.error("--window runs causal local attention (no --bidirectional)")
+        spec["layout"] = "contiguous"
+        if not args.torchrun:  # under torchrun: one strategy (--strategy) per launch, the table below
+            run_windowed(args, spec)
+            return
     load_before = os.getloadavg()
     print(f"context-parallel attention, T5 {'causal' if spec['causal'] else 'bidirectional'}, B={args.batch} "
-          f"H={args.heads} D={args.head_dim}, layout {args.layout}, strategy {args.strategy}, kv_chunks "
+          f"H={args.heads} D={args.head_dim}, layout {spec['layout']}, strategy {args.strategy}, "
+          f"{'' if args.window is None else f'window ({args.window - 1}, 0), '}kv_chunks "
           f"{'auto' if args.kv_chunks is None else args.kv_chunks}, forward+backward, "
           f"{os.cpu_count()} CPUs; load average {load_before[0]:.2f} (1 min)")
     if args.torchrun:
