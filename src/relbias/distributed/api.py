@@ -74,7 +74,7 @@ def context_parallel_attention(
       the ranks those keys live on (several where the window is longer than a shard) send just them, with their
       values and mask entries, in one ``batch_isend_irecv`` overlapped with the rank's own block; the halo blocks
       merge by log-sum-exp, and backward returns the halo's dK and dV to their owners
-      (:mod:`relbias.distributed.halo`). Traffic per rank and call: at most ``(left + right)`` keys' rows forward
+      (:mod:`relbias.distributed.halo.attention`). Traffic per rank and call: at most ``(left + right)`` keys' rows forward
       and their gradients backward, however long the sequence and however many ranks; memory O((L/P + left +
       right) · D) per rank and head.
     * ``"auto"`` (default): "halo" where it applies and its halo, ``left + right`` keys, is at most ``2·L/P`` (no

@@ -4,7 +4,7 @@ Rank r of P holds the contiguous positions ``[r·n, (r+1)·n)`` of every sequenc
 block length ``r_l + 1`` and, with TGlobal, of ``global_block_size``). Each layer:
 
 1. fetches the ``local_radius + 1`` keys and values on either side of its shard from its neighbours
-   (:func:`relbias.distributed.halo.gather.gather_halo`, differentiable: their gradients go back to the owners) and
+   (:func:`relbias.distributed.gather_halo`, differentiable: their gradients go back to the owners) and
    runs :func:`relbias.attention` once over them with ``window=(r_l, r_l)`` at global positions;
 2. with TGlobal, sums its own tokens' states per global block, sums those over the group
    (``torch.distributed.nn.functional.all_reduce``, differentiable; (B, N/g, d_model): small) and runs the summary

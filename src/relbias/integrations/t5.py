@@ -242,7 +242,7 @@ def patch_t5(
             with ``ColwiseParallel`` / ``RowwiseParallel``) and sets its ``n_heads`` to H/T and ``inner_dim`` to
             H/T x d_kv, so that rank t computes heads ``[t·H/T, (t+1)·H/T)``; the patch gives each self-attention
             layer those heads' columns of the replicated ``relative_attention_bias`` table
-            (:class:`relbias.distributed.tensor_parallel.TensorParallelHeads`), and the table's gradient comes back
+            (:class:`relbias.distributed.TensorParallelHeads`), and the table's gradient comes back
             whole on every rank (summed over the group: each rank's is its heads' columns). Composes with
             ``process_group`` (a 2-D mesh, ``mesh["tp"]`` and ``mesh["cp"]``). A layer whose query does not hold
             H/T heads raises a ValueError naming the recipe (docs/context-parallel.md).

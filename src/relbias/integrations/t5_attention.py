@@ -131,7 +131,7 @@ def _compute_bias(attention_module: nn.Module, bias: T5Bias, state: _PatchState,
 
 
 def _rank_heads(state: _PatchState, bias: T5Bias):
-    """The :class:`relbias.distributed.tensor_parallel.TensorParallelHeads` of ``bias`` for this rank (made once)."""
+    """The :class:`relbias.distributed.TensorParallelHeads` of ``bias`` for this rank (made once)."""
     view = state.head_views.get(id(bias))
     if view is None or view.parent is not bias:
         from ..distributed.groups import resolve_group

@@ -4,13 +4,13 @@ Forward: rank r posts, in one ``batch_isend_irecv``, the sends of its first and 
 padding mask slices) to the ranks whose windows reach them and the receipt of its own halo (:mod:`.plan`); runs its
 own block (its queries against its own keys) while they travel; then runs the queries that reach past the shard
 against the left halo and against the right halo, and folds each block's ``(out, lse)`` into the result by
-log-sum-exp (:mod:`relbias.distributed.merge`). A block runs exactly as a ring block does
-(:func:`relbias.distributed.ring.blocks.run_block`, at global positions, with the window), so the result is the
+log-sum-exp (``relbias.distributed.merge``). A block runs exactly as a ring block does
+(``relbias.distributed.ring.blocks.run_block``, at global positions, with the window), so the result is the
 single-device one. Traffic per rank: at most ``left + right`` keys' keys, values and mask entries, however long the
 sequence and however many ranks.
 
 Backward (a custom ``torch.autograd.Function``): each halo block's share of the gradients
-(:func:`relbias.distributed.ring.blocks.block_backward`, with the merged output and lse) first; its dK and dV go back
+(``relbias.distributed.ring.blocks.block_backward``, with the merged output and lse) first; its dK and dV go back
 to the ranks owning those keys in one exchange, overlapped with the own block's backward, and each rank adds what
 its neighbours return for its keys. Bias-parameter gradients are summed over the group with one ``all_reduce``
 (unless ``sync_bias_grads=False``). Saved for backward: the local q, k, v, the output, lse and the halo
