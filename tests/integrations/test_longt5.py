@@ -11,6 +11,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras)")
 
 from relbias.integrations import longt5 as integration  # noqa: E402
+from relbias.integrations import longt5_attention as parts  # noqa: E402
 from relbias.integrations.longt5 import is_longt5_patched, patch_longt5, unpatch_longt5  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, check_transformers_version  # noqa: E402
 from relbias.integrations.transformers import patch, unpatch  # noqa: E402
@@ -68,12 +69,13 @@ def test_encoder_outputs_equal_the_unpatched_ones_padding_included(kind, length)
     want = _encode(model, ids, mask)
     calls = []
     real = integration.attention
-    integration.attention = lambda *a, **k: calls.append(k.get("window")) or real(*a, **k)
+    counted = lambda *a, **k: calls.append(k.get("window")) or real(*a, **k)  # noqa: E731
+    integration.attention = parts.attention = counted  # the local call, and the summaries' call
     try:
         patch_longt5(model)
         got = _encode(model, ids, mask)
     finally:
-        integration.attention = real
+        integration.attention = parts.attention = real
     assert (got - want).abs().max().item() <= TOL  # every position, padded ones too
     assert (5, 5) in calls  # the local band as one windowed call
     summaries = kind == "transient-global" and length >= 4  # no summary key below one global block

@@ -29,6 +29,7 @@ from ..distributed.comm import all_gather_seq, exchange, sum_gradients
 from ..distributed.halo.gather import gather_halo
 from ..distributed.merge import merge_partials
 from ..functional import attention
+from .longt5_attention import _global_part, _key_mask, _padding_rows, _shared_bias
 
 __all__ = ["check_shard_length", "sharded_encoder_forward"]
 
@@ -107,8 +108,6 @@ def sharded_encoder_forward(module, patch, hidden_states, mask=None, position_bi
         NotImplementedError: ``output_attentions=True``; attention dropout in training.
         ValueError: a shard length that cuts a block (:func:`check_shard_length`).
     """
-    from .longt5 import _global_part, _key_mask, _padding_rows, _shared_bias
-
     import torch.distributed as dist
 
     if output_attentions:

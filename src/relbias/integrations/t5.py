@@ -36,6 +36,7 @@ from torch import nn
 from .common import SUPPORTED_TRANSFORMERS, check_backend, check_model, check_transformers_version
 from .loading import self_attention_modules, t5_biases_from_model
 from .patches import find_patches, patched_already
+from .sharded_stacks import _gather_encoder_states, _refuse_generate, _refuse_labels
 from .t5_attention import (  # noqa: F401 - re-exported (the T5 patch's names; the private ones for pickles)
     ATTN_IMPLEMENTATION,
     T5PositionBias,
@@ -137,43 +138,6 @@ def is_patched(model: nn.Module) -> bool:
     :func:`relbias.integrations.mpnet.is_mpnet_patched`; for the ALiBi decoders,
     :func:`relbias.integrations.alibi_decoders.is_alibi_patched`."""
     return bool(_patches(model))
-
-
-def _gather_encoder_states(parallel: _ContextParallel):
-    """A forward pre-hook of the decoder stack: the encoder's hidden states and attention mask, sharded along the
-    sequence, all-gathered into the full memory (differentiable) before cross-attention reads them."""
-    from ..distributed import gather_sequence
-
-    def hook(module, args, kwargs):
-        states = kwargs.get("encoder_hidden_states")
-        if states is None:
-            return None
-        kwargs = dict(kwargs)
-        kwargs["encoder_hidden_states"] = gather_sequence(states, dim=1, group=parallel.group, layout=parallel.layout)
-        mask = kwargs.get("encoder_attention_mask")
-        if mask is not None:
-            kwargs["encoder_attention_mask"] = gather_sequence(mask, dim=1, group=parallel.group, layout=parallel.layout)
-        return args, kwargs
-
-    return hook
-
-
-def _refuse_labels(module, args, kwargs):
-    """A forward pre-hook of the seq2seq model: labels would be shifted right shard by shard (wrong)."""
-    if kwargs.get("labels") is not None and kwargs.get("decoder_input_ids") is None and kwargs.get("decoder_inputs_embeds") is None:
-        raise ValueError(
-            "under patch_t5(process_group=...) pass decoder_input_ids (the full labels shifted right with "
-            "model._shift_right, then sharded) rather than labels alone: shifting each shard right is wrong"
-        )
-    return None
-
-
-def _refuse_generate(*args, **kwargs):
-    raise NotImplementedError(
-        "generate() is not supported under patch_t5(process_group=...): incremental decoding with a KV cache cannot "
-        "run on sequence shards; unpatch_t5(model) and patch_t5(model) without process_group, or generate with a "
-        "copy of the model on one rank"
-    )
 
 
 def patch_t5(
