@@ -68,7 +68,7 @@ def run_child(args: argparse.Namespace) -> dict:
     model = transformers.LongT5EncoderModel._from_config(config).eval()
     backend_used = None
     if args.variant in ("patched", "free-attention"):
-        from relbias.integrations import longt5
+        from relbias.integrations import longt5, longt5_attention
         from relbias.integrations.transformers import patch
 
         patch(model, backend=args.backend)
@@ -80,7 +80,7 @@ def run_child(args: argparse.Namespace) -> dict:
                 lse = torch.zeros(query.shape[:3], dtype=torch.float32)
                 return (out, lse) if return_lse else out
 
-            longt5.attention = free
+            longt5.attention = longt5_attention.attention = free  # the local call and the summaries' call
             backend_used = "free attention (a bound)"
     input_ids = torch.randint(0, config.vocab_size, (args.batch, args.length), generator=torch.Generator().manual_seed(1))
     attention_mask = torch.ones_like(input_ids)
