@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 from relbias.distributed import shard
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _tolerance  # noqa: E402  (tests/_tolerance.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _compare import excess, grad_errors  # noqa: E402
 
 VOCAB, BATCH = 64, 4
 
@@ -81,12 +81,9 @@ def make_batch(length: int):
     return ids, mask
 
 
-def _excess(got, want, n: int, scale=None) -> float:
-    """How far ``got`` is beyond float32 rounding of ``n``-term sums around ``want`` (tests/_tolerance.py)."""
-    if got is None or want is None:
-        return float("inf") if (got is None) != (want is None) else 0.0
-    atol, rtol = _tolerance.rounding_tolerance(want, n=n, scale=scale)
-    return max(((got - want).abs() - (atol + rtol * want.abs())).max().item(), 0.0)
+def applies(case: LongT5Case, world_size: int) -> bool:
+    """Every case runs on every group size."""
+    return True
 
 
 def run_case(case: LongT5Case, rank: int, world_size: int) -> dict:
@@ -106,7 +103,7 @@ def run_case(case: LongT5Case, rank: int, world_size: int) -> dict:
         g = torch.randn(want.shape, generator=torch.Generator().manual_seed(5))
         (want * g).sum().backward()
         (got * local(g)).sum().backward()
-        errors = {"encoder": _excess(got, local(want), tokens)}
+        errors = {"encoder": excess(got, local(want), tokens)}
     else:
         dec_ids, _ = make_batch(16)
         # right padding only: under a process group a decoder query with no visible key (left padding) gets zeros,
@@ -124,21 +121,16 @@ def run_case(case: LongT5Case, rank: int, world_size: int) -> dict:
 
         want = run(ref, ids, mask, dec_ids, dec_mask, labels)
         got = run(model, *(local(t) for t in (ids, mask, dec_ids, dec_mask, labels)))
-        errors = {"encoder": _excess(got.encoder_last_hidden_state, local(want.encoder_last_hidden_state), tokens),
-                  "logits": _excess(got.logits, local(want.logits), tokens)}
-    # every gradient: the tables' come back summed over the group (sync_bias_grads), the others are summed here
-    scales: dict = {}
-    for name, rp in ref.named_parameters():
-        if rp.grad is not None:
-            owner = name.rpartition(".")[0]
-            scales[owner] = max(scales.get(owner, 0.0), rp.grad.abs().max().item())
-    for (name, p), (_, rp) in zip(model.named_parameters(), ref.named_parameters()):
-        grad = p.grad
-        summed = case.sync_bias_grads and "relative_attention_bias" in name
-        if grad is not None and not summed:
-            grad = grad.clone()
-            dist.all_reduce(grad)
-        errors["d:" + name] = _excess(grad, rp.grad, tokens, scale=scales.get(name.rpartition(".")[0]))
+        errors = {"encoder": excess(got.encoder_last_hidden_state, local(want.encoder_last_hidden_state), tokens),
+                  "logits": excess(got.logits, local(want.logits), tokens)}
+    def whole(name, grad):  # the tables' come back summed over the group (sync_bias_grads); the others: sum here
+        if case.sync_bias_grads and "relative_attention_bias" in name:
+            return grad
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+    errors.update(grad_errors(model, ref, tokens, whole))
     return {"errors": errors}
 
 

@@ -1,10 +1,13 @@
-"""One rank of the tensor-parallel tests: ``python _tp_worker.py RANK WORLD_SIZE INIT_FILE OUT_JSON``.
+"""One rank of a model-level multi-process test: ``CASES=_longt5_cases python _model_worker.py RANK WORLD_SIZE
+INIT_FILE OUT_JSON``.
 
-Joins a gloo group (``file://`` rendezvous, loopback only, a timeout on every collective), runs every case and
-refusal of ``_tp_cases``, writes the results after each, and always destroys the process group."""
+Joins a gloo group (``file://`` rendezvous, loopback only, a timeout on every collective), runs every case of the
+cases module ``CASES`` names (its ``CASES`` that ``applies(case, world_size)``, through ``run_case``) and every
+refusal (``REFUSALS`` through ``run_refusal``), writes the results after each, and always destroys the group."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 import traceback
@@ -12,14 +15,14 @@ import traceback
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import _tp_cases as cases  # noqa: E402  (this script's folder is sys.path[0])
-from _spawn import rank_session  # noqa: E402
+from _spawn import rank_session  # noqa: E402  (this script's folder is sys.path[0])
 
 
 def main() -> None:
+    cases = importlib.import_module(os.environ["CASES"])
     with rank_session(sys.argv) as (rank, world_size, results, save):
         for case in cases.CASES:
-            if case.context_parallel and world_size != 4:
+            if not cases.applies(case, world_size):
                 continue
             try:
                 results["comparisons"][case.name] = cases.run_case(case, rank, world_size)
