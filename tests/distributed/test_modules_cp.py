@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' / 'dev' extras install it)")
 
 from ._module_cases import MHA_CASES, REFUSALS, T5_CASES, hf_helpers  # noqa: E402
+from ._checks import assert_within_bounds  # noqa: E402
 from ._spawn import run_ranks  # noqa: E402
 
 WORKER = Path(__file__).with_name("_module_worker.py")
@@ -31,12 +32,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def _check(ranks, case):
-    for rank, res in enumerate(ranks):
-        got = res.get("comparisons", {}).get(case)
-        assert got is not None, f"rank {rank} did not run {case}: {res['log']}"
-        assert "exception" not in got, got.get("exception")
-        bad = {k: v for k, v in got["errors"].items() if v > 0}
-        assert not bad, f"rank {rank} {case}: beyond the rounding tolerance (_module_cases._excess) by {bad}"
+    assert_within_bounds(ranks, case)
 
 
 def test_every_rank_finished(ranks):

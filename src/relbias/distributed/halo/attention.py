@@ -27,6 +27,7 @@ import torch
 from ...backends._shared.autograd import first_order
 from ...backends._shared.dtypes import compute_dtype
 from ..comm import all_reduce_sum, nbytes, start_exchange
+from ..apply import apply_strategy
 from ..merge import DOUBLE_BACKWARD_HINT, merge_into
 from ..ring.blocks import block_backward, run_block
 from ..ring.plan import RingStats, block_kind
@@ -213,11 +214,4 @@ class _HaloFunction(torch.autograd.Function):
 
 def halo_attention(call: ContextParallelCall, query, key, value, stats: RingStats | None = None) -> torch.Tensor:
     """This rank's output shard (B, H, L/P, Dv) in the dtype of ``query``; differentiable (see the module docstring)."""
-    bias = call.settings.bias
-    params = [] if bias is None else [p for p in bias.parameters() if p.requires_grad]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in [query, key, value, *params])
-    if not needs_grad:
-        with torch.no_grad():
-            out, _, _ = halo_forward(call, query, key, value, stats)
-        return out.to(query.dtype)
-    return _HaloFunction.apply(query, key, value, call, stats, *params)
+    return apply_strategy(_HaloFunction, halo_forward, call, query, key, value, stats)

@@ -31,6 +31,7 @@ from ...backends._shared.dtypes import compute_dtype
 from .blocks import block_backward, run_block
 from ..comm import RingChannel, all_reduce_sum, nbytes
 from ..layout import shard_pieces
+from ..apply import apply_strategy
 from ..merge import DOUBLE_BACKWARD_HINT, merge_into
 from .plan import RingStats, block_kind, kv_chunks_of
 from ..validate import ContextParallelCall
@@ -180,11 +181,4 @@ class _RingFunction(torch.autograd.Function):
 
 def ring_attention(call: ContextParallelCall, query, key, value, stats: RingStats | None = None) -> torch.Tensor:
     """This rank's output shard (B, H, L/P, Dv) in the dtype of ``query``; differentiable (see the module docstring)."""
-    bias = call.settings.bias
-    params = [] if bias is None else [p for p in bias.parameters() if p.requires_grad]
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in [query, key, value, *params])
-    if not needs_grad:
-        with torch.no_grad():
-            out, _ = ring_forward(call, query, key, value, stats)
-        return out.to(query.dtype)
-    return _RingFunction.apply(query, key, value, call, stats, *params)
+    return apply_strategy(_RingFunction, ring_forward, call, query, key, value, stats)
