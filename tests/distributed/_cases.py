@@ -52,6 +52,7 @@ class Case:
     dtype: str = "float32"
     kv_chunks: int | None = None  # None: the default (whole shards at these lengths)
     window: tuple[int | None, int | None] | None = None  # local attention (left, right)
+    dropout_p: float = 0.0  # attention dropout: the same generator state as the single process's
 
     @property
     def name(self) -> str:
@@ -59,8 +60,9 @@ class Case:
         f64 = "-float64" if self.dtype == "float64" else ""
         chunks = "" if self.kv_chunks is None else f"-chunks{self.kv_chunks}"
         window = "" if self.window is None else f"-window{self.window[0]}_{self.window[1]}"
+        dropout = f"-dropout{self.dropout_p}" if self.dropout_p else ""
         return (f"{self.family}-{'causal' if self.is_causal else 'bidir'}-{self.layout}-{self.strategy}{pad}{f64}"
-                f"{chunks}{window}")
+                f"{chunks}{window}{dropout}")
 
     @property
     def tolerance(self) -> float:
@@ -115,6 +117,10 @@ HALO_CASES = [
     Case("t5_causal", True, "contiguous", "halo", True, dtype="float64", window=(40, 0)),
     Case("offset", False, "contiguous", "halo", False, dtype="float64", window=(20, 37)),
     Case("t5", False, "contiguous", "halo", True, seq_len=128, window=(70, 1)),
+    # dropout: every block draws, at its absolute positions, the bits one process draws (rank 0's seed)
+    Case("t5_causal", True, "contiguous", "halo", True, dtype="float64", window=(20, 0), dropout_p=0.3),
+    Case("fire", False, "contiguous", "halo", False, dtype="float64", seq_len=32, window=(5, 9), dropout_p=0.2),
+    Case("offset", False, "contiguous", "halo", True, window=(40, 3), dropout_p=0.5),
 ]
 
 
@@ -130,6 +136,8 @@ REFUSALS = {
     "halo_zigzag": ("ValueError", "strategy 'halo' exchanges the keys next to each contiguous shard"),
     "halo_unbounded_window": ("ValueError", "strategy 'halo' needs a window bounded on both sides"),
     "halo_double_backward": ("RuntimeError", "strategy 'halo') has no double backward"),
+    "dropout_on_the_ring": ("ValueError", "runs on strategy 'halo'"),
+    "dropout_p_differs_across_ranks": ("ValueError", "dropout_p: [0.1, 0.2"),
     "mask_wrong_shape": ("ValueError", "key padding mask"),
     "tensor_bias": ("TypeError", "RelativeBias module"),
     "offset_table_too_short": ("ValueError", "has no parameter"),
@@ -184,7 +192,11 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
     mask = _key_padding(length) if case.padding else None
 
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    ref = relbias.attention(*leaves, bias=ref_bias, mask=mask, is_causal=case.is_causal, window=case.window)
+    dropout = {}
+    if case.dropout_p:  # one generator state for the single process and rank 0 (the others' are unused)
+        dropout = dict(dropout_p=case.dropout_p, generator=torch.Generator().manual_seed(99 + 7 * (rank != 0)))
+    ref = relbias.attention(*leaves, bias=ref_bias, mask=mask, is_causal=case.is_causal, window=case.window,
+                            **{**dropout, "generator": torch.Generator().manual_seed(99)} if dropout else {})
     (ref * g).sum().backward()
 
     def local(t):
@@ -195,7 +207,7 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
     out = context_parallel_attention(
         *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
         is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, stats=stats, group=group,
-        kv_chunks=case.kv_chunks, window=case.window,
+        kv_chunks=case.kv_chunks, window=case.window, **dropout,
     )
     (out * local(g)).sum().backward()
     with torch.no_grad():  # inference runs without the autograd Function
@@ -203,6 +215,7 @@ def run_case(case: Case, rank: int, world_size: int, group=None) -> dict:
             *mine, bias=bias, mask=None if mask is None else shard(mask, world_size, rank, layout=case.layout, dim=-1),
             is_causal=case.is_causal, layout=case.layout, strategy=case.strategy, group=group,
             kv_chunks=case.kv_chunks, window=case.window,
+            **{**dropout, "generator": torch.Generator().manual_seed(99)} if dropout else {},
         )
 
     pairs = {"out": (out, local(ref)), "out_no_grad": (out_no_grad, local(ref))}
@@ -242,6 +255,10 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         kwargs.update(strategy="halo", layout="zigzag", window=(2, 0), is_causal=True)
     elif name == "halo_unbounded_window":
         kwargs.update(strategy="halo", window=(2, None))
+    elif name == "dropout_on_the_ring":
+        kwargs.update(strategy="ring", dropout_p=0.1)
+    elif name == "dropout_p_differs_across_ranks":
+        kwargs.update(strategy="halo", window=(2, 0), is_causal=True, dropout_p=0.1 if rank == 0 else 0.2)
     elif name == "mask_wrong_shape":
         kwargs["mask"] = torch.ones(1, 1, 1, q.shape[2] + 1, dtype=torch.bool)
     elif name == "tensor_bias":

@@ -45,14 +45,14 @@ def _float(bits: int) -> float:
 #: how the message shows a setting's int (the others: as it is)
 _SHOWN = {"dtype": lambda code: _DTYPE_NAMES.get(code, code), "layout": LAYOUTS.__getitem__,
           "strategy": STRATEGIES.__getitem__, "is_causal": bool, "scale": _float, "sync_bias_grads": bool,
-          "convention": CONVENTIONS.__getitem__}
+          "convention": CONVENTIONS.__getitem__, "dropout_p": _float}
 
 
 #: What must be equal on every rank, in the order :func:`_settings` gives it.
 _NAMES = (
     "batch", "num_heads", "local length (L/P)", "head_dim", "value head_dim", "dtype", "layout", "strategy",
     "is_causal", "scale", "bias (num_heads, 0: none)", "mask (batch, 0: none)", "mask (num_heads, 0: none)",
-    "kv_chunks", "sync_bias_grads", "window left (-1: none)", "window right (-1: none)", "convention",
+    "kv_chunks", "sync_bias_grads", "window left (-1: none)", "window right (-1: none)", "convention", "dropout_p",
 )
 
 
@@ -66,6 +66,7 @@ def _settings(call: ContextParallelCall, query: torch.Tensor, value: torch.Tenso
         0 if bias is None else bias.num_heads, 0 if mask is None else mask.shape[0],
         0 if mask is None else mask.shape[1], call.kv_chunks, int(call.sync_bias_grads),
         _side(settings.window, 0), _side(settings.window, 1), CONVENTIONS.index(settings.convention),
+        _bits(settings.dropout_p),
     ), strict=True))
 
 
@@ -77,6 +78,9 @@ def _side(window: tuple[int | None, int | None] | None, index: int) -> int:
 
 
 _REFUSALS = {"TypeError": TypeError, "ValueError": ValueError}
+
+#: Ints each rank gathers after its refusal mark: the settings of :data:`_NAMES`, then the dropout seed (-1: none).
+_ROW_LEN = len(_NAMES) + 1
 
 
 def _gather_rows(row: list[int], group, world_size: int, device: torch.device) -> list[list[int]]:
@@ -126,28 +130,35 @@ def refuse_on_every_rank(refusal: Exception, query: object, group: object) -> No
     if rank < 0 or world_size == 1:
         raise refusal
     device = query.device if isinstance(query, torch.Tensor) else torch.device("cpu")
-    rows = _gather_rows([1] + [0] * len(_NAMES), resolved, world_size, device)
+    rows = _gather_rows([1] + [0] * _ROW_LEN, resolved, world_size, device)
     _raise_refusals(rows, resolved, world_size, refusal)
     raise refusal
 
 
-def check_ranks_agree(call: ContextParallelCall, query: torch.Tensor, value: torch.Tensor) -> None:
+def check_ranks_agree(call: ContextParallelCall, query: torch.Tensor, value: torch.Tensor) -> int | None:
     """Refuse a call whose ranks passed different shapes or settings, or that a rank refused
     (:func:`refuse_on_every_rank`): one ``all_gather`` of a few int64s on the inputs' device; nothing on one rank.
 
     Args:
         call: the rank's validated call; query: (B, H, L/P, D) and value: (B, H, L/P, Dv), its shards.
 
+    Returns:
+        With dropout, the seed the group's rank 0 drew (every rank runs on it; the ranks' generators need not
+        agree), else None.
+
     Raises:
         ValueError: on every rank alike, naming each setting that differs and every rank's value of it.
         TypeError, ValueError: another rank refused its inputs: the message names that rank and its error.
     """
+    seed = call.settings.dropout_seed
     if call.world_size == 1:
-        return
+        return seed
     mine = _settings(call, query, value)
-    rows = _gather_rows([0, *mine.values()], call.group, call.world_size, query.device)
+    rows = _gather_rows([0, *mine.values(), -1 if seed is None else int(seed)], call.group, call.world_size,
+                        query.device)
     _raise_refusals(rows, call.group, call.world_size, None)
-    rows = [row[1:] for row in rows]
+    seed = None if seed is None else rows[0][-1]
+    rows = [row[1:-1] for row in rows]
     differ = [
         f"{name}: {[_SHOWN.get(name, int)(row[n]) for row in rows]}"
         for n, name in enumerate(mine) if len({row[n] for row in rows}) > 1
@@ -157,3 +168,4 @@ def check_ranks_agree(call: ContextParallelCall, query: torch.Tensor, value: tor
             f"the ranks of the group passed different shapes or settings to context-parallel attention (per rank, in "
             f"group rank order): {'; '.join(differ)}; every rank must pass the same ones"
         )
+    return seed

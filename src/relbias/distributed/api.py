@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,6 +36,8 @@ def context_parallel_attention(
     kv_chunks: int | None = None,
     sync_bias_grads: bool = True,
     window: tuple[int | None, int | None] | None = None,
+    dropout_p: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Exact self-attention with a relative position bias over a sequence sharded along its length.
 
@@ -111,6 +115,12 @@ def context_parallel_attention(
             False: each rank keeps its own part, like every other parameter's gradient, for a data-parallel wrapper
             that reduces gradients over these ranks as well (FSDP2 over a flattened data x context mesh, DDP over
             the context ranks); summing them there again would count the bias's gradient P times.
+        dropout_p: attention dropout on the probabilities (default 0.0), with "halo" only (refused otherwise, a
+            ValueError): relbias' counter-based mask, a hash of a seed and the absolute (batch, head, query, key), so
+            each block drops what one process would. The seed is drawn from ``generator`` (default torch's global
+            RNG) on the group's rank 0 and used by every rank: ``relbias.attention(..., dropout_p=p,
+            generator=g)`` on the unsharded tensors, ``g`` in the state rank 0's was in, drops the same entries.
+        generator: the ``torch.Generator`` the dropout seed is drawn from (rank 0's counts); default None.
         window: local (sliding-window) attention at global positions, as :func:`relbias.attention`'s ``window``:
             None (default) or ``(left, right)``, ints >= 0 or None; query i sees keys ``i - left <= j <= i + right``.
             "ring": a block wholly outside every query's window is skipped (counted in ``stats.skipped``), one the
@@ -157,11 +167,13 @@ def context_parallel_attention(
         call = check_context_parallel(
             query, key, value, bias=bias, mask=mask, is_causal=is_causal, scale=scale, convention=convention,
             group=group, layout=layout, strategy=strategy, kv_chunks=kv_chunks, sync_bias_grads=sync_bias_grads,
-            window=window,
+            window=window, dropout_p=dropout_p, generator=generator,
         )
     except (TypeError, ValueError) as refusal:  # the other ranks learn of it rather than wait for this one
         refuse_on_every_rank(refusal, query, group)
-    check_ranks_agree(call, query, value)
+    seed = check_ranks_agree(call, query, value)
+    if seed is not None:  # every rank's blocks draw rank 0's mask
+        call = dataclasses.replace(call, settings=dataclasses.replace(call.settings, dropout_seed=seed))
     if call.strategy == "ring":
         return ring_attention(call, query, key, value, stats)
     if call.strategy == "halo":

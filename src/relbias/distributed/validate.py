@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .._attention_inputs import check_bias, check_qkv, resolve_convention
 from .._int_args import check_int
+from ..call import _dropout
 from ..backends.structured import far_distance
 from ..biases.base import RelativeBias
 from .ring.blocks import BlockSettings
@@ -138,6 +139,8 @@ def check_context_parallel(
     kv_chunks: object = None,
     sync_bias_grads: object = True,
     window: object = None,
+    dropout_p: object = 0.0,
+    generator: object = None,
 ) -> ContextParallelCall:
     """Validate the arguments of :func:`relbias.distributed.context_parallel_attention`.
 
@@ -208,7 +211,17 @@ def check_context_parallel(
         if kv_chunks is not None:
             check_int("kv_chunks", kv_chunks, minimum=1)
         chunks = 1
-    settings = BlockSettings(bias, is_causal, scale, convention, far_distance(bias), window)
+    dropout = _dropout(dropout_p, generator, query.device)  # this rank's seed; the call runs on rank 0's
+    if dropout is not None and strategy != "halo":
+        raise ValueError(
+            f"context-parallel attention with dropout_p={dropout_p} runs on strategy 'halo' (local attention on "
+            f"contiguous shards, every head on every rank, so each block draws the mask bits one process would); "
+            f"strategy {strategy!r} takes no dropout"
+        )
+    settings = BlockSettings(
+        bias, is_causal, scale, convention, None if dropout else far_distance(bias), window,
+        0.0 if dropout is None else dropout.p, None if dropout is None else dropout.seed,
+    )
     return ContextParallelCall(
         group, world_size, rank, layout, strategy, local_len, mask, settings, chunks, sync_bias_grads
     )

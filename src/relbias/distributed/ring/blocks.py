@@ -17,7 +17,9 @@ import torch
 from ...backends import BACKENDS
 from ...backends.toeplitz import toeplitz_attention, toeplitz_part_backward
 from ...biases.base import RelativeBias
+from ..._dropout import Dropout
 from ...call import make_call
+from ...dispatch import resolve_backend
 from ...functional import attention
 from .fused import bias_free_attention, far_block_backward, fused_runs
 from ..merge import part_gradients
@@ -36,6 +38,9 @@ class BlockSettings:
         convention: "seed", "additive" or "t5" (resolved).
         far_distance: T of a far-constant bias, or None.
         window: None or the local-attention window ``(left, right)`` (:mod:`relbias.window`), validated.
+        dropout_p: attention dropout's probability (0: none); dropout_seed: the seed every rank's blocks share
+            (:mod:`relbias._dropout`: the mask is a hash of the seed and absolute positions, so each block draws the
+            bits one process would).
     """
 
     bias: RelativeBias | None
@@ -44,6 +49,8 @@ class BlockSettings:
     convention: str
     far_distance: int | None
     window: tuple[int | None, int | None] | None = None
+    dropout_p: float = 0.0
+    dropout_seed: int | None = None
 
     @property
     def bias_scale(self) -> float:
@@ -65,17 +72,25 @@ def far_constant(settings: BlockSettings, kind: str, device: torch.device) -> to
 PREFER_STRUCTURED_SCORES = 1 << 19
 
 
+def _block_call(query, key, value, mask, query_start, key_start, settings: BlockSettings):
+    """The block's validated :class:`relbias.call.AttentionCall` (with lse), its dropout at the shared seed."""
+    call = make_call(
+        query, key, value, bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
+        convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
+        window=settings.window,
+    )
+    if settings.dropout_p:  # not drawn from this process's generator: the seed every rank agreed on
+        call = call.replaced(dropout=Dropout(settings.dropout_p, settings.dropout_seed, query_start, key_start))
+    return call
+
+
 def _toeplitz_call(query, key, value, mask, query_start, key_start, settings: BlockSettings):
     """The block's validated call when the toeplitz backend can run it (an offset-only bias, no mask or a bool key
     padding mask, CPU), else None: its backward then needs no recompute
     (:func:`relbias.backends.toeplitz.toeplitz_part_backward`)."""
     if "toeplitz" not in BACKENDS:
         return None
-    call = make_call(
-        query, key, value, bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
-        convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
-        window=settings.window,
-    )
+    call = _block_call(query, key, value, mask, query_start, key_start, settings)
     return None if BACKENDS["toeplitz"].unsupported_reasons(call) else call
 
 
@@ -112,6 +127,9 @@ def run_block(
         call = _toeplitz_call(query, key, value, mask, query_start, key_start, settings)
         if call is not None:
             return toeplitz_attention(call)
+        if settings.dropout_p:  # the dispatcher's choice for the call with its shared-seed dropout
+            call = _block_call(query, key, value, mask, query_start, key_start, settings)
+            return resolve_backend("auto", call)[0].forward(call)
         kwargs = dict(
             bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
             convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
