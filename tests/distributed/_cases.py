@@ -323,3 +323,26 @@ def run_in_place(rank: int, world_size: int) -> dict:
             except Exception as exc:  # noqa: BLE001 - reported to the test
                 got[f"{strategy}-{dtype}"] = f"{type(exc).__name__}: {exc}"
     return got
+
+
+def run_gather_halo(rank: int, world_size: int) -> dict:
+    """``gather_halo`` against slicing the full tensor, and its gradient: position j of the sequence, held by one
+    rank and lent to the ranks whose halo covers it, gets the sum of every rank's gradient of it. ``{reach: error}``."""
+    from relbias.distributed import gather_halo
+
+    got = {}
+    length = 8 * world_size
+    for reach in ((3, 2), (0, 5), (11, 0), (20, 40)):
+        torch.manual_seed(3)
+        x_full, g_full = torch.randn(B, H, length, D, dtype=torch.float64), torch.randn(B, H, length, D, dtype=torch.float64)
+        x = shard(x_full, world_size, rank).requires_grad_(True)
+        ext, first = gather_halo(x, reach)
+        error = (ext - x_full[:, :, first: first + ext.shape[2]]).abs().max().item()
+        (ext * g_full[:, :, first: first + ext.shape[2]]).sum().backward()
+        n = length // world_size
+        covers = torch.zeros(length, dtype=torch.float64)  # how many ranks' extended shards hold each position
+        for r in range(world_size):
+            covers[max(0, r * n - reach[0]): min(length, (r + 1) * n + reach[1])] += 1
+        want = shard(g_full * covers[:, None], world_size, rank)
+        got[str(reach)] = max(error, (x.grad - want).abs().max().item())
+    return got

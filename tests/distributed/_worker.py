@@ -33,6 +33,7 @@ def main() -> None:
                     results["refusals"][name] = _cases.run_refusal(name, rank, world_size)
                     save()
                 results["in_place"] = _cases.run_in_place(rank, world_size)
+                results["gather_halo"] = _cases.run_gather_halo(rank, world_size)
                 save()
         if world_size == 4:  # two groups of 2 side by side: ranks and neighbours are those of the group
             groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]

@@ -137,3 +137,12 @@ def test_output_may_be_changed_in_place(groups, world_size):
     ulysses; float32, where no cast copies it, and float64)."""
     for rank, res in enumerate(groups[world_size]):
         assert res.get("in_place") and not any(res["in_place"].values()), (rank, res.get("in_place"), res["log"])
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_gather_halo_lends_the_neighbours_positions_and_returns_their_gradients(groups, world_size):
+    """``gather_halo`` gives each rank its shard with the positions before and after it (windows shorter and longer
+    than a shard), exactly, and backward sums every borrower's gradient into the owner's (float64, to rounding)."""
+    for rank, res in enumerate(groups[world_size]):
+        errors = res.get("gather_halo")
+        assert errors and max(errors.values()) < 1e-12, (rank, errors, res["log"][-2000:])
