@@ -6,8 +6,8 @@ block length ``r_l + 1`` and, with TGlobal, of ``global_block_size``). Each laye
 1. fetches the ``local_radius + 1`` keys and values on either side of its shard from its neighbours
    (:func:`relbias.distributed.gather_halo`, differentiable: their gradients go back to the owners) and
    runs :func:`relbias.attention` once over them with ``window=(r_l, r_l)`` at global positions;
-2. with TGlobal, sums its own tokens' states per global block, sums those over the group
-   (``torch.distributed.nn.functional.all_reduce``, differentiable; (B, N/g, d_model): small) and runs the summary
+2. with TGlobal, sums its own tokens' states per global block, sums those over the group (one ``all_reduce``,
+   differentiable: backward sums the gradient likewise; (B, N/g, d_model): small) and runs the summary
    part as the one-process patch does, at its blocks' global positions; both parts merge by log-sum-exp;
 3. gives padded positions transformers' values from their three blocks' slots, the neighbours' included (the same
    halo).
