@@ -140,8 +140,9 @@ def test_large_band_blocks_run_the_structured_backend_and_agree():
     settings = BlockSettings(bias.double(), True, call.scale, call.convention, far_distance(bias))
     kwargs = dict(bias=bias, is_causal=True, scale=call.scale, convention=call.convention, query_start=256,
                   key_start=0, return_lse=True)
-    assert _band_backend(q, k, v, kwargs, settings) == "structured"
-    assert _band_backend(q[:, :4], k[:, :4], v[:, :4], kwargs, settings) == "auto"  # 2^18 scores: auto's choice
+    assert _band_backend(make_call(q, k, v, **kwargs), settings) == "structured"
+    half = make_call(q[:, :, :128], k, v, **kwargs)
+    assert _band_backend(half, settings) == "auto"  # 2^18 scores: auto's choice
     out, lse = run_block(q, k, v, None, 256, 0, "bias", settings)
     ref, ref_lse = relbias.attention(q, k, v, backend="reference", **kwargs)
     torch.testing.assert_close(out, ref)

@@ -20,7 +20,6 @@ from ...biases.base import RelativeBias
 from ..._dropout import Dropout
 from ...call import make_call
 from ...dispatch import resolve_backend
-from ...functional import attention
 from .fused import bias_free_attention, far_block_backward, fused_runs
 from ..merge import part_gradients
 
@@ -84,22 +83,25 @@ def _block_call(query, key, value, mask, query_start, key_start, settings: Block
     return call
 
 
+def _runs_on_toeplitz(call) -> bool:
+    """Whether the toeplitz backend runs the block's call (an offset-only bias, no mask or a bool key padding mask,
+    CPU): its backward then needs no recompute (:func:`relbias.backends.toeplitz.toeplitz_part_backward`)."""
+    return "toeplitz" in BACKENDS and not BACKENDS["toeplitz"].unsupported_reasons(call)
+
+
 def _toeplitz_call(query, key, value, mask, query_start, key_start, settings: BlockSettings):
-    """The block's validated call when the toeplitz backend can run it (an offset-only bias, no mask or a bool key
-    padding mask, CPU), else None: its backward then needs no recompute
-    (:func:`relbias.backends.toeplitz.toeplitz_part_backward`)."""
+    """The block's validated call when the toeplitz backend can run it (:func:`_runs_on_toeplitz`), else None."""
     if "toeplitz" not in BACKENDS:
         return None
     call = _block_call(query, key, value, mask, query_start, key_start, settings)
-    return None if BACKENDS["toeplitz"].unsupported_reasons(call) else call
+    return call if _runs_on_toeplitz(call) else None
 
 
-def _band_backend(query, key, value, kwargs: dict, settings: BlockSettings) -> str:
+def _band_backend(call, settings: BlockSettings) -> str:
     """"structured" for a large enough block with a far-constant bias that it can run, else "auto"."""
-    b, h, lq, _ = query.shape
-    if settings.far_distance is None or b * h * lq * key.shape[2] < PREFER_STRUCTURED_SCORES or "structured" not in BACKENDS:
+    b, h, lq, _ = call.query.shape
+    if settings.far_distance is None or b * h * lq * call.key.shape[2] < PREFER_STRUCTURED_SCORES or "structured" not in BACKENDS:
         return "auto"
-    call = make_call(query, key, value, **kwargs)
     return "auto" if BACKENDS["structured"].unsupported_reasons(call) else "structured"
 
 
@@ -121,21 +123,14 @@ def run_block(
         kind: "bias", "past" or "future" (:func:`relbias.distributed.ring.plan.block_kind`; never "skip").
         settings: :class:`BlockSettings`.
 
-    Differentiable in query, key, value and the bias parameters (``relbias.attention`` with ``return_lse``).
+    Differentiable in query, key, value and the bias parameters (the backend's forward, as ``relbias.attention``
+    with ``return_lse`` runs it).
     """
-    if kind == "bias":
-        call = _toeplitz_call(query, key, value, mask, query_start, key_start, settings)
-        if call is not None:
+    if kind == "bias":  # one validated call (its dropout at the shared seed), on toeplitz or the backend chosen
+        call = _block_call(query, key, value, mask, query_start, key_start, settings)
+        if _runs_on_toeplitz(call):
             return toeplitz_attention(call)
-        if settings.dropout_p:  # the dispatcher's choice for the call with its shared-seed dropout
-            call = _block_call(query, key, value, mask, query_start, key_start, settings)
-            return resolve_backend("auto", call)[0].forward(call)
-        kwargs = dict(
-            bias=settings.bias, mask=mask, is_causal=settings.is_causal, scale=settings.scale,
-            convention=settings.convention, query_start=query_start, key_start=key_start, return_lse=True,
-            window=settings.window,
-        )
-        return attention(query, key, value, backend=_band_backend(query, key, value, kwargs, settings), **kwargs)
+        return resolve_backend(_band_backend(call, settings), call)[0].forward(call)
     # Every key is visible to every query (past: offsets >= T >= 1; future: only without is_causal).
     out, lse = bias_free_attention(
         query, key, value, mask, scale=settings.scale, query_start=query_start, key_start=key_start
