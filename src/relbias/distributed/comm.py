@@ -68,6 +68,8 @@ def start_exchange(
     tag: int,
     what: str,
     device: torch.device,
+    stats=None,
+    backward: bool = False,
 ) -> Pending:
     """Post point-to-point sends and receives together (``torch.distributed.batch_isend_irecv``), asynchronously.
 
@@ -77,6 +79,8 @@ def start_exchange(
         receives: ``(peer, [(shape, dtype), ...])``: receive tensors of those shapes and dtypes from ``peer``, tensor
             n with tag ``tag + n``.
         tag: the first tag; what: the exchange, as an error names it; device: where received tensors are put.
+        stats: None, or a :class:`relbias.distributed.RingStats` that counts the bytes sent and received (of
+            backward when ``backward``).
 
     Returns:
         A :class:`Pending` whose ``wait()`` gives the received tensors, in the order of ``receives``, flattened.
@@ -98,6 +102,8 @@ def start_exchange(
     if ops:
         with exchange(group, f"posting {what}"):
             works = dist.batch_isend_irecv(ops)
+    if stats is not None:
+        stats.add_traffic(nbytes(sent), nbytes(received), backward=backward)
     return Pending(works, received, sent, bools, group, what)
 
 
@@ -112,15 +118,17 @@ class RingChannel:
         self.next = (self.rank + 1) % self.size
         self.prev = (self.rank - 1) % self.size
 
-    def start(self, tensors: list[torch.Tensor], tag: int) -> Pending:
+    def start(self, tensors: list[torch.Tensor], tag: int, stats=None, backward: bool = False) -> Pending:
         """Send ``tensors`` to the next rank and receive as many (same shapes and dtypes) from the previous one,
-        asynchronously (``torch.distributed.batch_isend_irecv``); tensor n uses tag ``tag + n``.
+        asynchronously (``torch.distributed.batch_isend_irecv``); tensor n uses tag ``tag + n``; ``stats`` and
+        ``backward`` as :func:`start_exchange`.
 
         Every rank of the group must call it with the same shapes, in the same order.
         """
         what = f"the ring exchange (sending to rank {self.next}, receiving from rank {self.prev})"
         specs = [(t.shape, t.dtype) for t in tensors]
-        return start_exchange(self.group, [(self.next, tensors)], [(self.prev, specs)], tag, what, tensors[0].device)
+        return start_exchange(self.group, [(self.next, tensors)], [(self.prev, specs)], tag, what, tensors[0].device,
+                              stats, backward)
 
 
 def all_to_all_dim0(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -19,19 +19,19 @@ its neighbours return for its keys. Bias-parameter gradients are summed over the
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from ...backends._shared.autograd import first_order
 from ...backends._shared.dtypes import compute_dtype
-from ..comm import all_reduce_sum, nbytes, start_exchange
+from ..comm import all_reduce_sum
 from ..apply import apply_strategy
 from ..merge import DOUBLE_BACKWARD_HINT, merge_into
 from ..ring.blocks import block_backward, run_block
 from ..ring.plan import RingStats, block_kind
 from ..validate import ContextParallelCall
+from .exchange import post_halo, post_return
 from .plan import HaloPart, HaloPlan, halo_plan, halo_reach
 
 __all__ = ["halo_attention"]
@@ -78,16 +78,8 @@ def _message(call: ContextParallelCall, key, value, rows: slice) -> list[torch.T
 def _exchange_halo(call: ContextParallelCall, plan: HaloPlan, key, value, stats: RingStats | None):
     """Post the halo exchange; its ``wait()`` gives each received part's key, value[, mask] (left parts, then
     right)."""
-    sends = [(p.peer, _message(call, key, value, p.local)) for p in plan.to_next + plan.to_prev]
-    received = plan.left + plan.right
-    receives = [(p.peer, [(t.shape, t.dtype) for t in _message(call, key, value, slice(0, p.length))])
-                for p in received]  # shaped like a run of p.length rows of this shard
-    pending = start_exchange(call.group, sends, receives, _KV_TAG,
-                             f"the halo exchange (with ranks {_peers(plan)})", key.device)
-    if stats is not None:
-        stats.add_traffic(sum(nbytes(t) for _, t in sends),
-                          sum(math.prod(s) * t.itemsize for _, specs in receives for s, t in specs))
-    return pending
+    return post_halo(plan, call.group, lambda rows: _message(call, key, value, rows), _KV_TAG,
+                     f"the halo exchange (with ranks {_peers(plan)})", key.device, stats)
 
 
 def _peers(plan: HaloPlan) -> list[int]:
@@ -167,26 +159,23 @@ def halo_backward(call: ContextParallelCall, query, key, value, out, lse, halo: 
     grad_out = grad_out.to(out.dtype)
     dq = torch.zeros(query.shape, dtype=out.dtype, device=query.device)
     dparams = [torch.zeros_like(p) for p in params]
-    sends = []
+    grads = []  # per received part, left then right: its keys' and values' gradients
     for block in halo:  # first, so that their keys' gradients travel home during the own block's backward
         gk, gv = _backward_block(call, query, block, out, lse, grad_out, params, dq, dparams)
         at = 0
         for part in block.parts:
-            rows = slice(at, at + part.length)
-            sends.append((part.peer, [gk[:, :, rows], gv[:, :, rows]]))
+            grads.append([gk[:, :, at: at + part.length], gv[:, :, at: at + part.length]])
             at += part.length
-    homes = plan.to_next + plan.to_prev  # the parts of this shard other ranks saw: their gradients come back
     b, h = key.shape[:2]
-    receives = [(p.peer, [((b, h, p.length, key.shape[-1]), out.dtype), ((b, h, p.length, value.shape[-1]), out.dtype)])
-                for p in homes]
-    pending = start_exchange(call.group, sends, receives, _GRAD_TAG,
-                             f"the halo gradients' return (with ranks {_peers(plan)})", key.device)
-    if stats is not None:
-        got_bytes = sum(math.prod(s) * t.itemsize for _, specs in receives for s, t in specs)
-        stats.add_traffic(sum(nbytes(t) for _, t in sends), got_bytes, backward=True)
+
+    def like(part):  # the gradients of a lent part's keys and values, in the compute dtype
+        return [((b, h, part.length, key.shape[-1]), out.dtype), ((b, h, part.length, value.shape[-1]), out.dtype)]
+
+    pending = post_return(plan, call.group, grads, like, _GRAD_TAG,
+                          f"the halo gradients' return (with ranks {_peers(plan)})", key.device, stats)
     dk, dv = _backward_block(call, query, _own_block(call, key, value), out, lse, grad_out, params, dq, dparams)
     got = pending.wait()
-    for n, part in enumerate(homes):
+    for n, part in enumerate(plan.to_next + plan.to_prev):  # the parts of this shard other ranks saw
         dk[:, :, part.local] += got[2 * n]
         dv[:, :, part.local] += got[2 * n + 1]
     return dq, dk, dv, all_reduce_sum(dparams, call.group) if call.sync_bias_grads else dparams

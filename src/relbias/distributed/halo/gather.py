@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import start_exchange
 from ..groups import resolve_group
+from .exchange import post_halo, post_return
 from .plan import HaloPlan, halo_plan
 
 __all__ = ["gather_halo"]
@@ -14,21 +14,15 @@ __all__ = ["gather_halo"]
 _TAG, _GRAD_TAG = 32, 40
 
 
-def _exchange(plan: HaloPlan, group, x: torch.Tensor, dim: int, what: str):
-    """Send this shard's parts that other ranks' halos hold; receive this rank's halo parts (left, then right)."""
-    sends = [(p.peer, [x.narrow(dim, p.local.start, p.length)]) for p in plan.to_next + plan.to_prev]
-
-    def shape(length: int) -> torch.Size:
-        return x.shape[:dim] + (length,) + x.shape[dim + 1:]
-
-    receives = [(p.peer, [(shape(p.length), x.dtype)]) for p in plan.left + plan.right]
-    return start_exchange(group, sends, receives, _TAG, what, x.device).wait()
+def _shape(x: torch.Tensor, dim: int, length: int) -> torch.Size:
+    return x.shape[:dim] + (length,) + x.shape[dim + 1:]
 
 
 class _GatherHalo(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, plan: HaloPlan, group, dim: int):
-        got = _exchange(plan, group, x, dim, "the halo gather")
+        got = post_halo(plan, group, lambda rows: [x[(slice(None),) * dim + (rows,)]], _TAG, "the halo gather",
+                        x.device).wait()
         left, right = got[: len(plan.left)], got[len(plan.left):]
         ctx.plan, ctx.group, ctx.dim = plan, group, dim
         return torch.cat([*left, x, *right], dim=dim)
@@ -36,23 +30,15 @@ class _GatherHalo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         plan, dim = ctx.plan, ctx.dim
-        left, right = plan.left_len, plan.right_len
-        own = grad.shape[dim] - left - right
-        # the halo's gradients go home: the reverse of the forward exchange
-        sends, at = [], 0
-        for p in plan.left:
-            sends.append((p.peer, [grad.narrow(dim, at, p.length)]))
-            at += p.length
-        at = left + own
-        for p in plan.right:
-            sends.append((p.peer, [grad.narrow(dim, at, p.length)]))
-            at += p.length
-        homes = plan.to_next + plan.to_prev
-        shape = lambda n: grad.shape[:dim] + (n,) + grad.shape[dim + 1:]  # noqa: E731
-        receives = [(p.peer, [(shape(p.length), grad.dtype)]) for p in homes]
-        got = start_exchange(ctx.group, sends, receives, _GRAD_TAG, "the halo gather's gradients", grad.device).wait()
-        dx = grad.narrow(dim, left, own).clone()
-        for part, g in zip(homes, got):
+        own = grad.shape[dim] - plan.left_len - plan.right_len
+        # the extended tensor is [left parts, own rows, right parts]; the parts' gradients go home
+        pieces = grad.split([p.length for p in plan.left] + [own] + [p.length for p in plan.right], dim=dim)
+        n = len(plan.left)
+        grads = [[g] for g in pieces[:n] + pieces[n + 1:]]
+        got = post_return(plan, ctx.group, grads, lambda p: [(_shape(grad, dim, p.length), grad.dtype)], _GRAD_TAG,
+                          "the halo gather's gradients", grad.device).wait()
+        dx = pieces[n].clone()
+        for part, g in zip(plan.to_next + plan.to_prev, got):
             dx.narrow(dim, part.local.start, part.length).add_(g)
         return dx, None, None, None
 

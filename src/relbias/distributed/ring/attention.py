@@ -29,7 +29,7 @@ import torch
 from ...backends._shared.autograd import first_order
 from ...backends._shared.dtypes import compute_dtype
 from .blocks import block_backward, run_block
-from ..comm import RingChannel, all_reduce_sum, nbytes
+from ..comm import RingChannel, all_reduce_sum
 from ..layout import shard_pieces
 from ..apply import apply_strategy
 from ..merge import DOUBLE_BACKWARD_HINT, merge_into
@@ -80,9 +80,7 @@ def ring_forward(call: ContextParallelCall, query, key, value, stats: RingStats 
     lse = torch.full((b, h, lq), float("-inf"), dtype=compute, device=query.device)
     for _, block in _own_chunks(call, key, value):  # one rotation of the ring per chunk
         for step in range(call.world_size):
-            pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
-            if pending is not None and stats is not None:
-                stats.add_traffic(nbytes(block), nbytes(block))
+            pending = channel.start(block, _KV_TAG, stats) if step < call.world_size - 1 else None
             k, v, starts = block[:3]
             mask = block[3] if len(block) > 3 else None
             for qs, q_start, ks, k_start, kind in _blocks(call, starts, k.shape[2]):
@@ -125,9 +123,7 @@ def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out
     compute = out.dtype
     grads_pending = None
     for step in range(call.world_size):
-        pending = channel.start(block, _KV_TAG) if step < call.world_size - 1 else None
-        if pending is not None and stats is not None:
-            stats.add_traffic(nbytes(block), nbytes(block), backward=True)
+        pending = channel.start(block, _KV_TAG, stats, backward=True) if step < call.world_size - 1 else None
         k, v, starts = block[:3]
         mask = block[3] if len(block) > 3 else None
         if grads_pending is not None:  # what the ranks before this one added for this block: this rank adds to it
@@ -149,9 +145,7 @@ def _rotate_backward(call: ContextParallelCall, query, block, out, lse, grad_out
                 if g is not None:
                     acc += g
         if channel is not None:
-            grads_pending = channel.start([dk, dv], _GRAD_TAG)
-            if stats is not None:
-                stats.add_traffic(nbytes([dk, dv]), nbytes([dk, dv]), backward=True)
+            grads_pending = channel.start([dk, dv], _GRAD_TAG, stats, backward=True)
         if pending is not None:
             block = pending.wait()
     if grads_pending is not None:  # after P hops: this rank's own keys, with every rank's share
