@@ -57,7 +57,7 @@ from .common import check_backend, check_model, check_transformers_version
 from .longt5_attention import _global_part, _key_mask, _padding_rows, _shared_bias
 from .longt5_parallel import sharded_encoder_forward
 from .patches import find_patches, patched_already
-from .sharded_stacks import _gather_encoder_states, _refuse_generate, _refuse_labels
+from .sharded_stacks import _gather_encoder_states, _refuse_generate, _refuse_labels, distributed_group
 from .t5_attention import _ContextParallel, _PatchState, install_stack, restore
 
 __all__ = ["LongT5Patch", "is_longt5_patched", "longt5_holder", "patch_longt5", "unpatch_longt5"]
@@ -328,21 +328,14 @@ def _context_parallel(process_group, layout: str, sync_bias_grads: bool) -> _Con
     """patch_longt5's context-parallel settings, checked; None without a ``process_group``."""
     if process_group is None:
         return None
-    import torch.distributed as dist
-
-    from ..distributed.groups import resolve_group
-
     if layout != "contiguous":
         raise ValueError(
             f"patch_longt5(process_group=...) shards sequences in the contiguous layout only (LongT5's local and "
             f"global blocks must each lie on one rank; under a window the contiguous layout is balanced), got "
             f"layout={layout!r}"
         )
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("patch_longt5(process_group=...) needs an initialised torch.distributed process group")
-    if not isinstance(sync_bias_grads, bool):
-        raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
-    return _ContextParallel(resolve_group(process_group, argument="process_group"), layout, "auto", sync_bias_grads)
+    group = distributed_group("patch_longt5", "process_group", process_group, sync_bias_grads)
+    return _ContextParallel(group, layout, "auto", sync_bias_grads)
 
 
 def unpatch_longt5(model: nn.Module) -> nn.Module:

@@ -1,12 +1,33 @@
 """What a context-parallel encoder-decoder patch (``patch_t5`` / ``patch_longt5`` with ``process_group``) adds
-around its stacks: the decoder's pre-hook that all-gathers the encoder's states for cross-attention, and the
-refusals of what cannot run on sequence shards (labels shifted shard by shard, ``generate``)."""
+around its stacks: the check of its settings, the decoder's pre-hook that all-gathers the encoder's states for
+cross-attention, and the refusals of what cannot run on sequence shards (labels shifted shard by shard,
+``generate``)."""
 
 from __future__ import annotations
 
 from .t5_attention import _ContextParallel
 
 __all__ = []
+
+
+def distributed_group(patch: str, argument: str, group: object, sync_bias_grads: object):
+    """The process group ``group`` names for ``patch(..., argument=group)`` (``resolve_group``), after checking that
+    torch.distributed is initialised and ``sync_bias_grads`` is a bool.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialised.
+        TypeError: a non-bool ``sync_bias_grads``; ``group`` neither a process group, a 1-D DeviceMesh nor None.
+        ValueError: a DeviceMesh of more than one dimension.
+    """
+    import torch.distributed as dist
+
+    from ..distributed.groups import resolve_group
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{patch}({argument}=...) needs an initialised torch.distributed process group")
+    if not isinstance(sync_bias_grads, bool):
+        raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
+    return resolve_group(group, argument=argument)
 
 
 def _gather_encoder_states(parallel: _ContextParallel):

@@ -36,7 +36,7 @@ from torch import nn
 from .common import SUPPORTED_TRANSFORMERS, check_backend, check_model, check_transformers_version
 from .loading import self_attention_modules, t5_biases_from_model
 from .patches import find_patches, patched_already
-from .sharded_stacks import _gather_encoder_states, _refuse_generate, _refuse_labels
+from .sharded_stacks import _gather_encoder_states, _refuse_generate, _refuse_labels, distributed_group
 from .t5_attention import (  # noqa: F401 - re-exported (the T5 patch's names; the private ones for pickles)
     ATTN_IMPLEMENTATION,
     T5PositionBias,
@@ -243,33 +243,21 @@ def patch_t5(
         return patched_already(model, patched[0], "patch_t5", state.backend, backend,
                                same=process_group is None and state.parallel is None and tensor_parallel is None
                                and state.tensor_parallel is None)
-    tp_group = None
+    shards, tp_group = 1, None
     if tensor_parallel is not None:
         import torch.distributed as dist
 
-        from ..distributed.groups import resolve_group
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("patch_t5(tensor_parallel=...) needs an initialised torch.distributed process group")
-        if not isinstance(sync_bias_grads, bool):
-            raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
-        tp_group = resolve_group(tensor_parallel, argument="tensor_parallel")
+        tp_group = distributed_group("patch_t5", "tensor_parallel", tensor_parallel, sync_bias_grads)
+        shards = dist.get_world_size(tp_group)
     parallel = None
     if process_group is not None:
-        import torch.distributed as dist
-
-        from ..distributed.groups import resolve_group
         from ..distributed.layout import check_layout
         from ..distributed.validate import STRATEGIES
 
         check_layout(layout)
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("patch_t5(process_group=...) needs an initialised torch.distributed process group")
-        if not isinstance(sync_bias_grads, bool):
-            raise TypeError(f"sync_bias_grads must be a bool, got {sync_bias_grads!r}")
-        group = resolve_group(process_group, argument="process_group")
+        group = distributed_group("patch_t5", "process_group", process_group, sync_bias_grads)
         parallel = _ContextParallel(group, layout, strategy, sync_bias_grads)
 
     stacks = self_attention_modules(holder)
@@ -284,9 +272,6 @@ def patch_t5(
             if type(module) is not attention_cls:
                 raise TypeError(f"{name} layer {layer} is a {type(module).__name__}, expected {attention_cls.__name__}")
 
-    import torch.distributed as dist
-
-    shards = 1 if tensor_parallel is None else dist.get_world_size(tp_group)
     biases = t5_biases_from_model(holder, share_weights=True, head_shards=shards)
     state = _PatchState(backend=backend, configs=[], hooked=[], parallel=parallel,
                         tensor_parallel=tensor_parallel,
