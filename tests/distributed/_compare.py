@@ -7,8 +7,20 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch.nn.functional as F
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import _tolerance  # noqa: E402  (tests/_tolerance.py)
+
+
+def seq2seq_step(model, ids, mask, decoder_ids, decoder_mask, labels):
+    """One training step's forward and backward of a transformers seq2seq model, without a cache: the summed
+    cross-entropy of the logits against ``labels`` (summed, so that the ranks' losses add up to one process's).
+    Returns the model's output."""
+    out = model(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids, decoder_attention_mask=decoder_mask,
+                use_cache=False)
+    F.cross_entropy(out.logits.flatten(0, 1), labels.flatten(), reduction="sum").backward()
+    return out
 
 
 def excess(got, want, n: int, scale=None) -> float:

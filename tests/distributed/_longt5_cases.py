@@ -10,12 +10,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from relbias.distributed import shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import excess, grad_errors  # noqa: E402
+from _compare import excess, grad_errors, seq2seq_step  # noqa: E402
 
 VOCAB, BATCH = 64, 4
 
@@ -112,15 +111,8 @@ def run_case(case: LongT5Case, rank: int, world_size: int) -> dict:
         dec_mask[1, 11:] = 0
         labels = torch.randint(2, VOCAB, (BATCH, 16), generator=torch.Generator().manual_seed(3))
 
-        def run(m, *args):
-            e_ids, e_mask, d_ids, d_mask, lab = args
-            out = m(input_ids=e_ids, attention_mask=e_mask, decoder_input_ids=d_ids, decoder_attention_mask=d_mask,
-                    use_cache=False)
-            F.cross_entropy(out.logits.flatten(0, 1), lab.flatten(), reduction="sum").backward()
-            return out
-
-        want = run(ref, ids, mask, dec_ids, dec_mask, labels)
-        got = run(model, *(local(t) for t in (ids, mask, dec_ids, dec_mask, labels)))
+        want = seq2seq_step(ref, ids, mask, dec_ids, dec_mask, labels)
+        got = seq2seq_step(model, *(local(t) for t in (ids, mask, dec_ids, dec_mask, labels)))
         errors = {"encoder": excess(got.encoder_last_hidden_state, local(want.encoder_last_hidden_state), tokens),
                   "logits": excess(got.logits, local(want.logits), tokens)}
     def whole(name, grad):  # the tables' come back summed over the group (sync_bias_grads); the others: sum here

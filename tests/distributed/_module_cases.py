@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import relbias
 from relbias.distributed import shard
@@ -257,15 +256,9 @@ def run_t5_case(case: T5Case, rank: int, world_size: int) -> dict:
         errors.update(_grad_errors(model, ref, summed))
         return {"errors": errors}
 
-    def run(m, ids, mask, d_ids, d_mask, lab):
-        out = m(input_ids=ids, attention_mask=mask, decoder_input_ids=d_ids, decoder_attention_mask=d_mask,
-                use_cache=False)
-        loss = F.cross_entropy(out.logits.flatten(0, 1), lab.flatten(), reduction="sum")  # sums over ranks
-        loss.backward()
-        return out
-
-    want = run(ref, input_ids, attention_mask, dec_ids, dec_mask, labels)
-    got = run(model, *(local(t) for t in (input_ids, attention_mask, dec_ids, dec_mask, labels)))
+    step = _load("_relbias_distributed_compare", "distributed/_compare.py").seq2seq_step
+    want = step(ref, input_ids, attention_mask, dec_ids, dec_mask, labels)
+    got = step(model, *(local(t) for t in (input_ids, attention_mask, dec_ids, dec_mask, labels)))
     errors = {
         "relu_margin": max(RELU_MARGIN - min(margins, default=1.0), 0.0),  # the inputs keep clear of ReLU's kink
         "encoder": _excess(got.encoder_last_hidden_state, local(want.encoder_last_hidden_state)),

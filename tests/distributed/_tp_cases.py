@@ -12,12 +12,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from relbias.distributed import shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _compare import excess, grad_errors  # noqa: E402
+from _compare import excess, grad_errors, seq2seq_step  # noqa: E402
 
 B = 2
 
@@ -99,14 +98,8 @@ def run_case(case: TpCase, rank: int, world_size: int) -> dict:
     def local(t):
         return t if cp_size == 1 else shard(t, cp_size, cp_rank, dim=1)
 
-    def run(m, ids, mask, d_ids, d_mask, lab):
-        out = m(input_ids=ids, attention_mask=mask, decoder_input_ids=d_ids, decoder_attention_mask=d_mask,
-                use_cache=False)
-        F.cross_entropy(out.logits.flatten(0, 1), lab.flatten(), reduction="sum").backward()
-        return out
-
-    want = run(ref, input_ids, attention_mask, dec_ids, dec_mask, labels)
-    got = run(model, *(local(t) for t in (input_ids, attention_mask, dec_ids, dec_mask, labels)))
+    want = seq2seq_step(ref, input_ids, attention_mask, dec_ids, dec_mask, labels)
+    got = seq2seq_step(model, *(local(t) for t in (input_ids, attention_mask, dec_ids, dec_mask, labels)))
     tokens = B * 32
     errors = {"encoder": excess(got.encoder_last_hidden_state, local(want.encoder_last_hidden_state), tokens),
               "logits": excess(got.logits, local(want.logits), tokens)}
