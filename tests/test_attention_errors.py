@@ -11,6 +11,8 @@ import torch
 import relbias
 from relbias import PerOffsetBias, T5Bias
 
+from ._cpu import assert_cpu_refusal, cpu_refusals
+
 q = torch.randn(2, 3, 5, 4)
 k = torch.randn(2, 3, 7, 4)
 v = torch.randn(2, 3, 7, 6)
@@ -138,7 +140,8 @@ def test_attn_mask_is_sdpas_name_for_mask_with_sdpas_meaning():
 def test_a_float_mask_of_another_dtype_is_added_in_the_computations_dtype(backend, query_dtype, mask_dtype):
     """As documented (SDPA's attn_mask raises for these instead): the mask's values in float32 (float64 for float64
     inputs), the output in the query's dtype. The mask's finite values are exact in every dtype tested, so the
-    results equal the float32 (float64) mask's up to the backend's summation order."""
+    results equal the float32 (float64) mask's up to the backend's summation order. Where this CPU refuses the call
+    by design (decode in bfloat16 without AMX-BF16), the refusal and its reason."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g).to(query_dtype) for _ in range(3))
     mask = torch.zeros(1, 1, 5, 5)
@@ -146,6 +149,11 @@ def test_a_float_mask_of_another_dtype_is_added_in_the_computations_dtype(backen
     mask[..., 3] = -0.5
     compute = torch.float64 if query_dtype == torch.float64 else torch.float32
     bias = relbias.T5Bias(2)
+    if cpu_refusals(backend, q):  # decode in bfloat16 where the native kernel runs it on float32 copies
+        with torch.no_grad(), pytest.raises(ValueError, match=f"backend '{backend}' cannot run this call") as refused:
+            relbias.attention(q, k, v, mask=mask.to(mask_dtype), bias=bias, backend=backend)
+        assert assert_cpu_refusal(backend, str(refused.value), q)
+        return
     with torch.no_grad():  # decode runs inference only
         got = relbias.attention(q, k, v, mask=mask.to(mask_dtype), bias=bias, backend=backend)
         want = relbias.attention(q, k, v, mask=mask.to(compute), bias=bias, backend=backend)

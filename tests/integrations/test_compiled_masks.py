@@ -18,6 +18,7 @@ from relbias.integrations.masks import relbias_mask_from_hf  # noqa: E402
 from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, check_transformers_version  # noqa: E402
 from relbias.integrations.transformers import patch  # noqa: E402
 
+from .._cpu import assert_cpu_refusal, cpu_refusals  # noqa: E402
 from .._markers import requires_inductor_vector_isa  # noqa: E402
 from .._tolerance import assert_rounding_close  # noqa: E402
 
@@ -124,9 +125,9 @@ def test_opcheck():
                                           (grad_out, query, key, value, mask, values, key_bias, *settings))
 
 
-def _mpnet():
-    config = transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64)
+def _mpnet(head_dim: int = 8):
+    config = transformers.MPNetConfig(vocab_size=VOCAB, hidden_size=4 * head_dim, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=64)
     return transformers.MPNetModel(config)
 
 
@@ -264,17 +265,26 @@ def test_a_compiled_patched_t5_with_dropout_trains_as_eager(monkeypatch):
 
 
 @requires_inductor_vector_isa  # flex compiles FlexAttention with inductor on the CPU
-def test_the_op_runs_flex_on_a_compiled_graphs_first_call():
+@pytest.mark.parametrize("head_dim", [8, 32])
+def test_the_op_runs_flex_on_a_compiled_graphs_first_call(head_dim):
     """PyTorch runs a compiled graph's custom ops once under a dispatch mode (its aliasing check); the op's work runs
     as eager code there: flex (whose block masks use vmap, and whose one-time self-test compiles FlexAttention) gives
-    the eager result on the first and later calls, and eager flex calls still run afterwards."""
+    the eager result on the first and later calls, and eager flex calls still run afterwards. Head dim 32 runs on
+    every CPU; head dim 8 is refused by name below AVX-512 (flex's guard), and runs on AVX-512."""
     torch.manual_seed(0)
-    model = _mpnet().eval()
+    model = _mpnet(head_dim).eval()
     patched = patch(copy.deepcopy(model), backend="flex")
     compiled = torch.compile(patched, fullgraph=True, backend="aot_eager", dynamic=False)
     ids = torch.randint(2, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(3, 10, dtype=torch.long)
     mask[1, :4] = 0
+    query = torch.empty(3, 4, 10, head_dim)
+    if cpu_refusals("flex", query):
+        with torch.no_grad(), pytest.raises(ValueError, match="backend 'flex' cannot run this call") as refused:
+            patched(input_ids=ids, attention_mask=mask)
+        assert assert_cpu_refusal("flex", str(refused.value), query)
+        torch._dynamo.reset()
+        return
     with torch.no_grad():
         want = model(input_ids=ids, attention_mask=mask).last_hidden_state
         for _ in range(2):
