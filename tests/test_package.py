@@ -54,7 +54,7 @@ _INTEGRATION_LAYERS = (
     {"alibi_decoders"},
     {"t5", "longt5", "mpnet", "bloom", "mpt", "falcon"},
     {"common", "patches", "t5_attention", "alibi_common", "compiled_masks", "masks", "hidden_rows", "loading",
-     "longt5_attention", "longt5_parallel", "sharded_stacks", "__init__"},
+     "longt5_attention", "longt5_parallel", "sharded_stacks", "t5_tensor_parallel", "__init__"},
 )
 
 

@@ -48,7 +48,11 @@ CASES = [
 ]
 
 REFUSALS = {
-    "heads_not_sharded": ("ValueError", "shard q, k and v column-wise"),
+    # refused by patch_t5 itself, before any forward (the worker runs none after it)
+    "heads_not_sharded": ("ValueError", "encoder.block.0.layer.0.SelfAttention is not sharded so: n_heads is 4, "
+                                        "inner_dim is 32, q has 32 output features"),
+    # the projections sharded, n_heads and inner_dim left whole: transformers' cross-attention would fail on shapes
+    "head_count_left_whole": ("ValueError", "is not sharded so: n_heads is 4, inner_dim is 32 (expected"),
     "heads_not_divisible": ("ValueError", "must be divisible by"),
 }
 
@@ -141,10 +145,16 @@ def run_refusal(name: str, rank: int, world_size: int) -> str | None:
         if name == "heads_not_divisible":
             patch_t5(hf.tiny_model("t5", num_heads=3 if world_size == 2 else 6), tensor_parallel=mesh["tp"])
             return None
-        model = patch_t5(hf.tiny_model("t5"), tensor_parallel=mesh["tp"])  # projections left whole
-        ids, mask = hf.batch(batch_size=1, length=8)
-        with torch.no_grad():
-            model(ids, attention_mask=mask, decoder_input_ids=ids)
+        model = hf.tiny_model("t5")
+        if name == "head_count_left_whole":  # the projections sharded only: every n_heads and inner_dim whole
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+            from transformers.models.t5.modeling_t5 import T5Attention
+
+            plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+            for module in model.modules():
+                if isinstance(module, T5Attention):
+                    parallelize_module(module, mesh["tp"], plan)
+        patch_t5(model, tensor_parallel=mesh["tp"])  # raises here, before any forward
     except Exception as exc:  # noqa: BLE001 - reported to the test, which checks type and message
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -48,6 +48,7 @@ from .t5_attention import (  # noqa: F401 - re-exported (the T5 patch's names; t
     relbias_t5_attention,
     restore,
 )
+from .t5_tensor_parallel import check_sharded_heads
 
 # ATTN_IMPLEMENTATION, T5PositionBias and relbias_t5_attention are importable here too; documented in t5_attention.
 __all__ = ["is_patched", "patch_t5", "t5_stacks", "unpatch_t5"]
@@ -208,8 +209,9 @@ def patch_t5(
             layer those heads' columns of the replicated ``relative_attention_bias`` table
             (:class:`relbias.distributed.TensorParallelHeads`), and the table's gradient comes back
             whole on every rank (summed over the group: each rank's is its heads' columns). Composes with
-            ``process_group`` (a 2-D mesh, ``mesh["tp"]`` and ``mesh["cp"]``). A layer whose query does not hold
-            H/T heads raises a ValueError naming the recipe (docs/context-parallel.md).
+            ``process_group`` (a 2-D mesh, ``mesh["tp"]`` and ``mesh["cp"]``). A self- or cross-attention layer
+            whose ``n_heads``, ``inner_dim`` or projection shards do not hold H/T heads is refused here, at patch
+            time, with a ValueError naming the layer and the recipe (docs/context-parallel.md).
 
     Returns:
         ``model``, patched.
@@ -225,7 +227,8 @@ def patch_t5(
             a DeviceMesh or None; a non-bool ``sync_bias_grads``.
         ValueError: an attention implementation other than "sdpa" / "eager"; an unknown backend; a DeviceMesh of
             more than one dimension as ``process_group``; ``model`` is, or holds, a model patched already with
-            another backend, or either patch has a ``process_group``.
+            another backend, or either patch has a ``process_group``; under ``tensor_parallel``, heads that do not
+            divide over its group, or an attention layer not sharded to H/T heads (named).
 
     Warns:
         UserWarning: ``model`` is, or holds, a model patched already with this backend and neither patch has a
@@ -282,6 +285,8 @@ def patch_t5(
         for name in stacks:  # refused now, not at the first call: heads that do not divide over the group
             for bias in biases.stack(name):
                 rank_heads(bias.num_heads, tp_group)
+        heads = next(iter(biases.stack(name) for name in stacks))[0].num_heads
+        check_sharded_heads(holder, attention_cls, heads, shards)  # and layers the caller did not shard
     for name, attentions in stacks.items():
         install_stack(state, getattr(holder, name), attentions, biases.stack(name))
     if parallel is not None:
