@@ -63,6 +63,16 @@ CHECKS = {
         error = (full - reference).abs().max().item()
         assert error < 1e-4, error
     """),
+    # the LongT5 training step's global loss and every gradient, against one process on the whole batch
+    "global_loss": textwrap.dedent("""
+        torch.manual_seed(0)
+        whole = transformers.LongT5ForConditionalGeneration(config).eval()
+        want = whole(input_ids=ids, decoder_input_ids=decoder_ids, labels=labels).loss
+        want.backward()
+        assert abs(global_loss.item() - want.item()) < 1e-5, (global_loss.item(), want.item())
+        for (name, p), (_, w) in zip(model.named_parameters(), whole.named_parameters()):
+            torch.testing.assert_close(p.grad, w.grad, atol=1e-5, rtol=1e-4, msg=name)
+    """),
 }
 
 
