@@ -26,6 +26,8 @@ __all__ = [
 SUPPORTED_TRANSFORMERS = ">=5.24,<6"
 
 _MIN_VERSION, _MAX_VERSION = (5, 24), (6, 0)
+#: How to install the Hugging Face extra, from the package index and from a clone of the repository.
+HF_INSTALL = "pip install 'relbias[hf]' (in a clone of the repository: pip install -e '.[hf]')"
 
 
 def check_transformers_version():
@@ -35,14 +37,14 @@ def check_transformers_version():
         the ``transformers`` module.
 
     Raises:
-        ImportError: transformers is not installed (``pip install 'relbias[hf]'``).
+        ImportError: transformers is not installed (:data:`HF_INSTALL` says how).
         RuntimeError: the installed version is outside the supported range; the message names both.
     """
     try:
         import transformers
     except ImportError as exc:
         raise ImportError(
-            f"relbias.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS}: pip install 'relbias[hf]'"
+            f"relbias.integrations.transformers needs transformers{SUPPORTED_TRANSFORMERS}: {HF_INSTALL}"
         ) from exc
     from packaging.version import Version  # a dependency of transformers
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..biases.t5 import T5Bias
+from .common import HF_INSTALL
 
 __all__ = ["T5Biases", "t5_bias_from_file", "t5_biases_from_model", "t5_biases_from_safetensors", "t5_biases_from_state_dict"]
 
@@ -267,7 +268,7 @@ def t5_biases_from_safetensors(
         :class:`T5Biases`, as :func:`t5_biases_from_state_dict`.
 
     Raises:
-        ImportError: safetensors is not installed (``pip install relbias[hf]``).
+        ImportError: safetensors is not installed (``pip install 'relbias[hf]'``; in a clone ``pip install -e '.[hf]'``).
         FileNotFoundError: no such file.
         ValueError: a file safetensors cannot read; as :func:`t5_biases_from_state_dict`.
     """
@@ -301,7 +302,7 @@ def _read_tensors(
         try:
             from safetensors import safe_open
         except ImportError as exc:  # pragma: no cover - safetensors is a dependency of the hf extra
-            raise ImportError("reading .safetensors needs the safetensors package: pip install 'relbias[hf]'") from exc
+            raise ImportError(f"reading .safetensors needs the safetensors package: {HF_INSTALL}") from exc
         try:
             with safe_open(path, framework="pt", device=str(device)) as handle:
                 keys = list(handle.keys())
