@@ -55,3 +55,17 @@ def test_explain_describes_an_inference_call_as_it_is():
     for chosen, why in ((name, reason), (name_no_grad, reason_no_grad)):
         if chosen != "reference":
             assert "small block" not in why or "single fused kernel call or materialising" in why
+    # the first line says what this call does, not everything the backend can take
+    first, first_no_grad = reason.split("\n")[0], reason_no_grad.split("\n")[0]
+    assert first.startswith(f"{name}: bidirectional, offset-only T5Bias, no mask, no dropout, forward and backward, "
+                            "float32: ")
+    assert first_no_grad.startswith(f"{name_no_grad}: bidirectional, offset-only T5Bias, no mask, no dropout, "
+                                    "forward only (inference), float32: ")
+    if name_no_grad == "toeplitz":
+        assert "backward" not in first_no_grad and "dropout inside" not in first_no_grad, first_no_grad
+        assert first.endswith("FlashAttention-2 forward and backward; memory O(N·D)") == (
+            _native.native_unavailable_reason() is None), first
+        with torch.no_grad():
+            dropped = relbias.explain_backend(q, q, q, bias=bias, dropout_p=0.1)[1].split("\n")[0]
+        assert "dropout_p=0.1" in dropped and ("dropout inside the kernels" in dropped) == (
+            _native.native_unavailable_reason() is None), dropped

@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 
 from .backends import BACKENDS
+from .backends._shared.describe import describe_call
 from .backends.base import Backend
 from .biases.base import RelativeBias
 from .call import AttentionCall, make_call
 
-__all__ = ["choose_backend", "explain_backend", "resolve_backend"]
+__all__ = ["choose_backend", "explain_backend", "pick_backend", "resolve_backend"]
 
 
 def _window_note(call: AttentionCall) -> str:
@@ -29,40 +30,74 @@ def _window_note(call: AttentionCall) -> str:
     return f"; window={call.window}: each query sees {left} of the keys before it and {right} after it"
 
 
-def _reason(backend: Backend, call: AttentionCall, passed: list[str]) -> str:
-    """The pick and its reason on the first line, then each backend passed over on its own line."""
-    first = f"{backend.name}: {backend.explain(call)}{_window_note(call)}"
-    return "\n".join([first, *(f"not {why}" for why in passed)])
+def _notes(backends: list[Backend], call: AttentionCall) -> list[str]:
+    """The backends' :meth:`~relbias.backends.base.Backend.notes` on ``call``, each once, in order."""
+    return list(dict.fromkeys(note for backend in backends for note in backend.notes(call)))
 
 
-def choose_backend(call: AttentionCall) -> tuple[Backend, str]:
-    """The backend "auto" runs for ``call``, and why: ``"name: reason"`` on the first line (with the window, if
-    any), then one line ``"not other: reasons"`` for each backend before it in priority order."""
+def _reason(backend: Backend, call: AttentionCall, passed: list[tuple[Backend, str]]) -> str:
+    """The pick on the first line (the call in words, then how the backend runs it), then each backend passed over
+    on its own line, then each note on the machine once."""
+    first = f"{backend.name}: {describe_call(call)}: {backend.explain(call)}{_window_note(call)}"
+    notes = _notes([backend, *(other for other, _ in passed)], call)
+    return "\n".join([first, *(f"not {other.name}: {why}" for other, why in passed), *(f"note: {n}" for n in notes)])
+
+
+def _choose(call: AttentionCall) -> tuple[Backend, list[tuple[Backend, str]]]:
+    """The backend "auto" runs for ``call`` and the backends before it that it passed over, with their reasons."""
     passed = []
     for backend in BACKENDS.values():
         # auto's own reasons first: they are cheap, and a backend auto passes over anyway need not run its
         # costlier checks (flex's one-time compiled probe, the scan of hidden keys)
         reasons = backend.auto_reasons(call) or backend.unsupported_reasons(call)
         if not reasons:
-            return backend, _reason(backend, call, passed)
-        passed.append(f"{backend.name}: {'; '.join(reasons)}")
-    raise ValueError("no registered backend can run this call:\n" + "\n".join(passed))
+            return backend, passed
+        passed.append((backend, "; ".join(reasons)))
+    lines = [f"{backend.name}: {why}" for backend, why in passed]
+    lines += [f"note: {note}" for note in _notes([backend for backend, _ in passed], call)]
+    raise ValueError("no registered backend can run this call:\n" + "\n".join(lines))
+
+
+def _named(name: str, call: AttentionCall) -> Backend:
+    """The backend ``name`` when it can run ``call``."""
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; available: {['auto', *sorted(BACKENDS)]}")
+    backend = BACKENDS[name]
+    reasons = backend.unsupported_reasons(call)
+    if reasons:
+        notes = "".join(f"; note: {note}" for note in backend.notes(call))
+        raise ValueError(f"backend {name!r} cannot run this call: {'; '.join(reasons)}{notes}")
+    return backend
+
+
+def choose_backend(call: AttentionCall) -> tuple[Backend, str]:
+    """The backend "auto" runs for ``call``, and why: ``"name: the call: how it runs"`` on the first line (with the
+    window, if any), then one line ``"not other: reasons"`` for each backend before it in priority order, then one
+    line ``"note: ..."`` for each fact about this machine that those lines rest on."""
+    backend, passed = _choose(call)
+    return backend, _reason(backend, call, passed)
+
+
+def pick_backend(name: str, call: AttentionCall) -> Backend:
+    """The backend that runs ``call`` for ``backend=name`` ("auto" or a registered name), as :func:`resolve_backend`
+    picks it, without putting the reason into words (the path every call takes).
+
+    Raises:
+        ValueError: as :func:`resolve_backend`.
+    """
+    return _choose(call)[0] if name == "auto" else _named(name, call)
 
 
 def resolve_backend(name: str, call: AttentionCall) -> tuple[Backend, str]:
     """``(backend, reason)`` for "auto" or a named backend (a named one's reason: its first line alone).
 
     Raises:
-        ValueError: an unknown name, or a named backend that cannot run ``call`` (the message lists why).
+        ValueError: an unknown name, or a named backend that cannot run ``call`` (the message lists why, and the
+            backend's notes on this machine).
     """
     if name == "auto":
         return choose_backend(call)
-    if not isinstance(name, str) or name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; available: {['auto', *sorted(BACKENDS)]}")
-    backend = BACKENDS[name]
-    reasons = backend.unsupported_reasons(call)
-    if reasons:
-        raise ValueError(f"backend {name!r} cannot run this call: {'; '.join(reasons)}")
+    backend = _named(name, call)
     return backend, _reason(backend, call, [])
 
 
@@ -99,9 +134,11 @@ def explain_backend(
             global RNG), so asking does not change the masks that later calls draw.
 
     Returns:
-        (name, reason): the backend that runs the call, and why: a first line ``"name: reason"`` (naming the
-        window when there is one); for "auto", then one line ``"not other: reasons"`` for each backend before it in
-        priority order, which auto passed over.
+        (name, reason): the backend that runs the call, and why: a first line ``"name: the call: how it runs"``
+        (the call in words: direction, bias, mask, dropout, forward only or forward and backward, dtype; then how
+        this backend runs that call, naming the window when there is one); for "auto", then one line
+        ``"not other: reasons"`` for each backend before it in priority order, which auto passed over; last, one
+        line ``"note: ..."`` for each fact about this machine those lines rest on (how half precision runs here).
 
     Raises:
         ValueError: unknown backend, a named backend that cannot run this call (the message says why),

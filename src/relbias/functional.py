@@ -8,7 +8,7 @@ from . import _repeat
 from .backends import registry
 from .biases.base import RelativeBias
 from .call import make_call
-from .dispatch import resolve_backend
+from .dispatch import pick_backend
 
 __all__ = ["attention", "attention_with_weights"]
 
@@ -175,7 +175,7 @@ def attention(
         query_start=query_start, key_start=key_start, return_lse=return_lse, dropout_p=dropout_p, generator=generator,
         attn_mask=attn_mask, enable_gqa=enable_gqa, window=window,
     )
-    chosen, _ = resolve_backend(backend, call)
+    chosen = pick_backend(backend, call)
     out, lse = chosen.forward(call)
     if signature is not None:  # after the forward, which derives values a repeat reuses
         _repeat.remember(signature, backend, chosen, call, generation)

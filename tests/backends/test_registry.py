@@ -38,7 +38,9 @@ def test_a_backend_in_one_class_and_one_registry_line_runs_and_is_chosen_first(d
     assert list(BACKENDS)[0] == "even_keys"
     q, k, v = (torch.randn(1, 2, 6, 4) for _ in range(3))
     bias = relbias.T5Bias(2)
-    assert relbias.explain_backend(q, k, v, bias=bias) == ("even_keys", f"even_keys: {dummy.summary}")
+    assert relbias.explain_backend(q, k, v, bias=bias) == (
+        "even_keys", f"even_keys: bidirectional, offset-only T5Bias, no mask, no dropout, forward and backward, "
+                     f"float32: {dummy.summary}")
     out = relbias.attention(q, k, v, bias=bias)
     assert dummy.calls == 1
     torch.testing.assert_close(out, relbias.attention(q, k, v, bias=bias, backend="reference"))

@@ -77,8 +77,15 @@ class Backend(abc.ABC):
         return []
 
     def explain(self, call: AttentionCall) -> str:
-        """The sentence ``explain_backend`` gives when this backend runs ``call`` (default :attr:`summary`)."""
+        """How this backend runs ``call``, the end of the first line ``explain_backend`` gives when it does (after
+        the call in words, :func:`relbias.backends._shared.describe.describe_call`); default :attr:`summary`."""
         return self.summary
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        """Facts about this machine that bear on how this backend runs, or why it cannot run, ``call`` (how half
+        precision runs on this CPU, say): sentences that ``explain_backend`` gives once, on a line of their own,
+        however many of its lines they concern, and that a named backend's refusal appends. Default none; O(1)."""
+        return []
 
     @abc.abstractmethod
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:

@@ -231,17 +231,25 @@ class DecodeBackend(Backend):
         if call.needs_grad:
             reasons.append(f"{call.grad_source}; the decode backend is inference only (no gradient for its bias mask)")
         if call.query.dtype not in (torch.float32, torch.float64) and not _toeplitz_native.takes(call.query):
-            note = _toeplitz_native.half_precision_note(call.query.dtype) or f"{call.query.dtype} is not supported"
+            see = " (see the note)" if self.notes(call) else ""
             reasons.append(f"{call.query.dtype} inputs: the decode backend's additive bias mask would round the bias, "
-                           f"and relbias' native kernel, which reads it in float32, does not run this dtype here "
-                           f"({note})")
+                           f"and relbias' native kernel, which reads it in float32, does not run this dtype here{see}")
         reasons += cpu_flash_reasons(call)
         if reasons:
             return reasons
         return [] if self.confines_non_finite(call) else non_finite_reasons(narrow_to_window(call), "the decode kernel")
 
     def explain(self, call: AttentionCall) -> str:
-        return _toeplitz_native.explain_half_precision(self.summary, call.query)
+        lq, lk = call.alignment.query_len, call.alignment.key_len
+        if _native_module(narrow_to_window(call)) is not None:
+            how = "relbias' native toeplitz forward, reading the bias rows from its per-offset values"
+        else:
+            how = "CPU flash attention with the bias rows as its additive mask"
+        rows = f"{lq} {'query' if lq == 1 else 'queries'} x {lk} {'key' if lk == 1 else 'keys'}"
+        return f"{rows} in one fused kernel call ({how}), as fast as bias-free attention; inference"
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        return _toeplitz_native.half_precision_notes(call.query)
 
     def confines_non_finite(self, call: AttentionCall) -> bool:
         # relbias' native kernel reads the values a row cannot see only to check them, and where one is NaN/inf it

@@ -12,7 +12,7 @@ import sys
 
 from .. import benchmark
 
-__all__ = ["add_arguments", "register", "run"]
+__all__ = ["add_arguments", "add_shape_arguments", "register", "run"]
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,13 +64,15 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``relbias bench`` (shared with benchmarks/bench_attention.py)."""
-    p.add_argument("--n", type=_positive_int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths (tokens)")
-    p.add_argument("--causal", choices=["both", "causal", "bidirectional"], default="both", help="masking")
-    p.add_argument("--mode", choices=["both", "fwd", "fwdbwd"], default="both", help="forward, forward+backward")
-    p.add_argument("--methods", nargs="+", choices=benchmark.method_names(), default=benchmark.default_methods(),
-                   help="baselines and registered backends (flex compiles per shape: forward only on CPU)")
+def add_shape_arguments(p: argparse.ArgumentParser, *, lengths: list[int], causal: str = "both",
+                        mode: str = "both") -> None:
+    """The options that say which calls: ``--n``, ``--causal``, ``--mode``, ``--family``, ``--batch``, ``--heads``,
+    ``--head-dim``, ``--dtype`` (shared by ``relbias bench`` and ``relbias explain``, with these defaults for the
+    first three)."""
+    p.add_argument("--n", type=_positive_int, nargs="+", default=lengths, help="sequence lengths (tokens)")
+    p.add_argument("--causal", choices=["both", "causal", "bidirectional"], default=causal, help="masking")
+    p.add_argument("--mode", choices=["both", "fwd", "fwdbwd"], default=mode,
+                   help="forward (inference, no gradient) and/or forward+backward")
     from ..biases import FAMILIES
 
     p.add_argument("--family", choices=list(FAMILIES), default="t5", metavar="FAMILY",
@@ -79,6 +81,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--heads", type=_positive_int, default=8, help="num_heads H")
     p.add_argument("--head-dim", type=_positive_int, default=64, help="head_dim D")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="input dtype")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``relbias bench`` (shared with benchmarks/bench_attention.py)."""
+    add_shape_arguments(p, lengths=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--methods", nargs="+", choices=benchmark.method_names(), default=benchmark.default_methods(),
+                   help="baselines and registered backends (flex compiles per shape: forward only on CPU)")
     p.add_argument("--repeats", type=_positive_int, default=3, help="fewest timed calls per method")
     p.add_argument("--budget-ms", type=_non_negative_float, default=500.0,
                    help="more timed calls, up to --max-repeats, until the slowest method has run this long (ms)")

@@ -15,7 +15,7 @@ import sys
 __all__ = ["build_parser", "main"]
 
 #: (module under relbias.cli, one-line help) — the order they are listed in ``relbias --help``.
-SUBCOMMANDS: list[str] = ["buckets", "inspect", "bench", "extrapolate", "build"]
+SUBCOMMANDS: list[str] = ["buckets", "inspect", "bench", "explain", "extrapolate", "build"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -29,7 +29,7 @@ from torch._C import DispatchKey
 
 from ..biases.function import FunctionBias
 from ..call import _dropout, make_call
-from ..dispatch import resolve_backend
+from ..dispatch import pick_backend
 from ..positions import resolve_alignment
 from .masks import dense_key_bias, hf_visible, offsets_count_positions, relbias_mask_from_hf
 
@@ -156,7 +156,7 @@ def _run(query, key, value, hf_mask, offset_values, key_bias, query_start, is_ca
     run = make_call(query, key, value, **call)
     if run.dropout is not None:  # the seed drawn in the graph (as an eager call draws its own): the backward's too
         run = run.replaced(dropout=dataclasses.replace(run.dropout, seed=int(seed)))
-    chosen, _ = resolve_backend(backend, run)
+    chosen = pick_backend(backend, run)
     return chosen.forward(run)[0].contiguous()
 
 

@@ -54,7 +54,7 @@ from .._shared.reasons import (
 )
 from .._shared.masks import additive_mask
 from ._kernel import part_backward, toeplitz_apply
-from ._native import explain_half_precision, native_unavailable_reason
+from ._native import HALF_UNITS, half_precision_notes, native_unavailable_reason
 from ._native import takes as _native_takes
 from .._shared.dtypes import compute_dtype
 from ...window import kernel_sides
@@ -120,7 +120,23 @@ class ToeplitzBackend(Backend):
         return []
 
     def explain(self, call: AttentionCall) -> str:
-        return explain_half_precision(self.summary, call.query)
+        passes = "forward and backward" if call.needs_grad else "forward"
+        if call.query.device.type == "cpu" and native_unavailable_reason() is None:
+            how = f"the bias read from its per-offset values inside relbias' fused C++ FlashAttention-2 {passes}"
+            if call.dropout is not None:
+                how += ", dropout inside the kernels"
+            if call.query.dtype in HALF_UNITS and not _native_takes(call.query):
+                how += f", on float32 copies of the {str(call.query.dtype).removeprefix('torch.')} inputs (see the note)"
+        else:
+            where = f"on {call.query.device.type}" if call.query.device.type != "cpu" else native_unavailable_reason()
+            how = (f"the bias read from its per-offset values as a strided view, the additive mask of PyTorch's fused "
+                   f"attention (relbias' native kernels do not run: {where})")
+            if call.needs_grad:
+                how += "; the backward in PyTorch, tiled"
+        return f"{how}; memory O(N·D)"
+
+    def notes(self, call: AttentionCall) -> list[str]:
+        return half_precision_notes(call.query)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         return toeplitz_attention(call)

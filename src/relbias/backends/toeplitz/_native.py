@@ -38,8 +38,8 @@ from ._build import build as _build
 from ._backward import tiled_backward
 
 __all__ = [
-    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "explain_half_precision", "forward", "forward_tiles",
-    "half_precision_note", "load_native", "loaded_native", "window_tile", "native_backward", "native_forward",
+    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "forward", "forward_tiles",
+    "half_precision_note", "half_precision_notes", "load_native", "loaded_native", "window_tile", "native_backward", "native_forward",
     "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout", "runs_half", "takes",
 ]
 
@@ -147,11 +147,11 @@ def runs_half(dtype: torch.dtype) -> bool:
     return answer
 
 
-def explain_half_precision(summary: str, query: torch.Tensor) -> str:
-    """A backend's ``summary`` with, for a CPU call in bfloat16 or float16, :func:`half_precision_note` after it
-    (the sentence ``explain_backend`` gives for the toeplitz and decode backends)."""
+def half_precision_notes(query: torch.Tensor) -> list[str]:
+    """For a CPU call in bfloat16 or float16, ``[half_precision_note(dtype)]`` (the note ``explain_backend`` gives
+    once for the toeplitz and decode backends); else ``[]``."""
     note = half_precision_note(query.dtype) if query.is_cpu else None
-    return summary if note is None else f"{summary}; {note}"
+    return [] if note is None else [note]
 
 
 def half_precision_note(dtype: torch.dtype) -> str | None:

@@ -19,7 +19,7 @@ from ...backends.toeplitz import toeplitz_attention, toeplitz_part_backward
 from ...biases.base import RelativeBias
 from ..._dropout import Dropout
 from ...call import make_call
-from ...dispatch import resolve_backend
+from ...dispatch import pick_backend
 from .fused import bias_free_attention, far_block_backward, fused_runs
 from ..merge import part_gradients
 
@@ -130,7 +130,7 @@ def run_block(
         call = _block_call(query, key, value, mask, query_start, key_start, settings)
         if _runs_on_toeplitz(call):
             return toeplitz_attention(call)
-        return resolve_backend(_band_backend(call, settings), call)[0].forward(call)
+        return pick_backend(_band_backend(call, settings), call).forward(call)
     # Every key is visible to every query (past: offsets >= T >= 1; future: only without is_causal).
     out, lse = bias_free_attention(
         query, key, value, mask, scale=settings.scale, query_start=query_start, key_start=key_start
