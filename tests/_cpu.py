@@ -7,7 +7,8 @@ AVX-512 and AMX machines, under the AVX2 emulation and under ``ATEN_CPU_CAPABILI
 
 * half precision in relbias' native kernels (and so in the decode backend) needs the matrix units oneDNN packs for
   (AMX-BF16 / AMX-FP16); elsewhere bfloat16 / float16 run on float32 copies and decode refuses them;
-* compiled FlexAttention on a CPU whose ATen capability is below AVX-512 refuses head dims below 32.
+* compiled FlexAttention on a CPU whose ATen capability is below AVX-512 refuses head dims below 32, and where
+  inductor has no vector ISA (``ATEN_CPU_CAPABILITY=default``) it does not compile at all.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def aten_avx512() -> bool:
     return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 
 
+def inductor_vector_isa() -> bool:
+    """Whether inductor has a vector ISA to generate CPU code for (``ATEN_CPU_CAPABILITY=default`` leaves it none)."""
+    return torch.backends.cpu.get_cpu_capability() != "DEFAULT"
+
+
 def native_built() -> bool:
     from relbias.backends.toeplitz import _native
 
@@ -82,15 +88,19 @@ def cpu_refusals(backend: str, query: torch.Tensor, value_dim: int | None = None
         if native_built():
             found.append(rf"{_HALF_NAMES[dtype]} runs on float32 copies: oneDNN finds no AMX-")
     dims = (query.shape[-1], query.shape[-1] if value_dim is None else value_dim)
-    if backend == "flex" and _flex_compiles() and not aten_avx512() and min(dims) < FLEX_MIN_AVX2_HEAD_DIM:
-        found.append(rf"without AVX-512 \(here {re.escape(torch.backends.cpu.get_cpu_capability())}\) for small "
-                     rf"head dims.*must be >= {FLEX_MIN_AVX2_HEAD_DIM} here")
+    capability = re.escape(torch.backends.cpu.get_cpu_capability())
+    if backend == "flex" and _flex_compiles() and not aten_avx512():
+        if min(dims) < FLEX_MIN_AVX2_HEAD_DIM:
+            found.append(rf"without AVX-512 \(here {capability}\) for small head dims.*must be >= "
+                         rf"{FLEX_MIN_AVX2_HEAD_DIM} here")
+        elif not inductor_vector_isa():  # inductor's CPU FlexAttention lowering needs a vector ISA
+            found.append(rf"compiled FlexAttention in torch \S+ does not compile here \({capability}, ")
     return found
 
 
 #: What each CPU-dependent refusal says, whichever CPU: a refusal that says it where :func:`cpu_refusals` expects
 #: none is a wrong refusal.
-_CPU_WORDS = ("does not run this dtype here", "runs on float32 copies", "for small head dims")
+_CPU_WORDS = ("does not run this dtype here", "runs on float32 copies", "for small head dims", "does not compile here")
 
 
 def assert_cpu_refusal(backend: str, why: str, query: torch.Tensor, value_dim: int | None = None) -> bool:

@@ -19,7 +19,6 @@ from relbias.integrations.transformers import SUPPORTED_TRANSFORMERS, check_tran
 from relbias.integrations.transformers import patch  # noqa: E402
 
 from .._cpu import assert_cpu_refusal, cpu_refusals  # noqa: E402
-from .._markers import requires_inductor_vector_isa  # noqa: E402
 from .._tolerance import assert_rounding_close  # noqa: E402
 
 try:
@@ -264,13 +263,13 @@ def test_a_compiled_patched_t5_with_dropout_trains_as_eager(monkeypatch):
     torch._dynamo.reset()
 
 
-@requires_inductor_vector_isa  # flex compiles FlexAttention with inductor on the CPU
 @pytest.mark.parametrize("head_dim", [8, 32])
 def test_the_op_runs_flex_on_a_compiled_graphs_first_call(head_dim):
     """PyTorch runs a compiled graph's custom ops once under a dispatch mode (its aliasing check); the op's work runs
     as eager code there: flex (whose block masks use vmap, and whose one-time self-test compiles FlexAttention) gives
     the eager result on the first and later calls, and eager flex calls still run afterwards. Head dim 32 runs on
-    every CPU; head dim 8 is refused by name below AVX-512 (flex's guard), and runs on AVX-512."""
+    every CPU; head dim 8 is refused by name below AVX-512 (flex's guard), and runs on AVX-512. Without a vector ISA
+    for inductor (ATEN_CPU_CAPABILITY=default) FlexAttention does not compile: refused by name."""
     torch.manual_seed(0)
     model = _mpnet(head_dim).eval()
     patched = patch(copy.deepcopy(model), backend="flex")
