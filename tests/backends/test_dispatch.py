@@ -208,6 +208,6 @@ def test_the_reason_gives_the_pick_first_then_each_refusal_on_its_own_line():
     assert first.endswith("; window=(127, None): each query sees at most 127 of the keys before it and any number "
                           "after it")
     named = relbias.explain_backend(*qkv, bias=bias, window=(3, 0), backend="blockwise")[1]
-    assert named == "blockwise: bidirectional, offset-only T5Bias, no mask, no dropout, forward and backward, float32: " + (
-        relbias.backends.BACKENDS["blockwise"].summary
-        + "; window=(3, 0): each query sees at most 3 of the keys before it and at most 0 after it")
+    call = "bidirectional, offset-only T5Bias, no mask, no dropout, forward and backward, float32"
+    assert named == f"blockwise: {call}: " + relbias.backends.BACKENDS["blockwise"].summary + (
+        "; window=(3, 0): each query sees at most 3 of the keys before it and at most 0 after it")

@@ -61,8 +61,9 @@ def check_sharded_heads(model: nn.Module, attention_cls: type, num_heads: int, t
             continue
         faults = _layer_faults(module, per)
         if faults:
+            inner = per * module.key_value_proj_dim
             raise ValueError(
                 f"patch_t5(tensor_parallel=...) over {tp_size} ranks gives each rank {per} of the {num_heads} heads, "
-                f"but {name} is not sharded so: {', '.join(faults)} (expected {per} heads, {per * module.key_value_proj_dim} "
-                f"features); " + _RECIPE.format(per=per, inner=per * module.key_value_proj_dim)
+                f"but {name} is not sharded so: {', '.join(faults)} (expected {per} heads, {inner} features); "
+                + _RECIPE.format(per=per, inner=inner)
             )

@@ -35,4 +35,5 @@ def describe_call(call: AttentionCall) -> str:
     dropout = "no dropout" if call.dropout is None else f"dropout_p={call.dropout.p}"
     passes = "forward and backward" if call.needs_grad else "forward only (inference)"
     dtype = str(call.query.dtype).removeprefix("torch.")
-    return ", ".join(("causal" if call.is_causal else "bidirectional", _bias(call), _mask(call), dropout, passes, dtype))
+    direction = "causal" if call.is_causal else "bidirectional"
+    return ", ".join((direction, _bias(call), _mask(call), dropout, passes, dtype))

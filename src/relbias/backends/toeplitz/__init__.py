@@ -126,7 +126,8 @@ class ToeplitzBackend(Backend):
             if call.dropout is not None:
                 how += ", dropout inside the kernels"
             if call.query.dtype in HALF_UNITS and not _native_takes(call.query):
-                how += f", on float32 copies of the {str(call.query.dtype).removeprefix('torch.')} inputs (see the note)"
+                dtype = str(call.query.dtype).removeprefix("torch.")
+                how += f", on float32 copies of the {dtype} inputs (see the note)"
         else:
             where = f"on {call.query.device.type}" if call.query.device.type != "cpu" else native_unavailable_reason()
             how = (f"the bias read from its per-offset values as a strided view, the additive mask of PyTorch's fused "
