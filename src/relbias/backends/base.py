@@ -78,7 +78,7 @@ class Backend(abc.ABC):
 
     def explain(self, call: AttentionCall) -> str:
         """How this backend runs ``call``, the end of the first line ``explain_backend`` gives when it does (after
-        the call in words, :func:`relbias.backends._shared.describe.describe_call`); default :attr:`summary`."""
+        the call in words, ``relbias.backends._shared.describe.describe_call``); default :attr:`summary`."""
         return self.summary
 
     def notes(self, call: AttentionCall) -> list[str]:
