@@ -243,6 +243,8 @@ class DecodeBackend(Backend):
         lq, lk = call.alignment.query_len, call.alignment.key_len
         if _native_module(narrow_to_window(call)) is not None:
             how = "relbias' native toeplitz forward, reading the bias rows from its per-offset values"
+        elif call.bias is None and call.mask is None:
+            how = "CPU flash attention, no bias"
         else:
             how = "CPU flash attention with the bias rows as its additive mask"
         rows = f"{lq} {'query' if lq == 1 else 'queries'} x {lk} {'key' if lk == 1 else 'keys'}"
