@@ -33,7 +33,7 @@ from typing import Callable
 
 from .backends import BACKENDS
 
-__all__ = ["BASELINES", "NOT_BY_DEFAULT", "busy_warning", "default_methods", "load_sample", "measure",
+__all__ = ["BASELINES", "NOT_BY_DEFAULT", "busy_warning", "calls", "default_methods", "load_sample", "measure",
            "method_names", "memory", "spread_warning", "time_methods", "timed_rounds", "warmup_rounds"]
 
 #: bias-free SDPA (the 1.00x baseline), SDPA with the bias materialised, the Hugging Face eager path.
@@ -253,6 +253,15 @@ def _time(methods: list[str], spec: dict, args) -> dict:
                         max_repeats=args.max_repeats, after=clear_grads)
 
 
+def calls(args) -> list[tuple[int, bool, str]]:
+    """``(n, causal, mode)`` of every call ``args`` asks for (``relbias bench``'s and ``relbias explain``'s
+    ``--n``, ``--causal`` and ``--mode``), in the order they are measured: each length, causal before
+    bidirectional, forward before forward+backward."""
+    causals = {"both": [True, False], "causal": [True], "bidirectional": [False]}[args.causal]
+    modes = {"both": ["fwd", "fwdbwd"], "fwd": ["fwd"], "fwdbwd": ["fwdbwd"]}[args.mode]
+    return [(n, causal, mode) for n in args.n for causal in causals for mode in modes]
+
+
 def measure(args, progress: Callable[[dict], None] | None = None) -> list[dict]:
     """Every figure, as rows {n, causal, mode, method, ms (minimum), median_ms, repeats, warmup, load_1min,
     peak_mib, growth_mib, baseline_mib, <figure>_x_sdpa} (ms, MiB), or with "error" for a method that
@@ -262,30 +271,26 @@ def measure(args, progress: Callable[[dict], None] | None = None) -> list[dict]:
     heads, head_dim, dtype, repeats, budget_ms, max_repeats, threads, max_scores, no_memory);
     ``progress(row)`` is called as each row is made.
     """
-    causals = {"both": [True, False], "causal": [True], "bidirectional": [False]}[args.causal]
-    modes = {"both": ["fwd", "fwdbwd"], "fwd": ["fwd"], "fwdbwd": ["fwdbwd"]}[args.mode]
     methods = list(dict.fromkeys(["sdpa", *args.methods]))
     rows = []
-    for n in args.n:
-        for causal in causals:
-            for mode in modes:
-                spec = dict(n=n, causal=causal, mode=mode, family=args.family, batch=args.batch, heads=args.heads,
-                            head_dim=args.head_dim, dtype=args.dtype, threads=args.threads)
-                scores = args.batch * args.heads * n * n
-                skipped = {m: {"error": "skipped: B*H*N*N above --max-scores"} for m in methods
-                           if m in _MATERIALISING and scores > args.max_scores}
-                if "flex" in methods and mode == "fwdbwd":  # no FlexAttention backward on CPU (torch 2.13)
-                    skipped["flex"] = {"error": "skipped: no FlexAttention backward on CPU"}
-                run = [m for m in methods if m not in skipped]
-                load = os.getloadavg()[0]
-                timing = {**_time(run, spec, args), **skipped}
-                for m in methods:
-                    row = {**spec, "method": m, "load_1min": load, **timing[m]}
-                    if not args.no_memory and m in run and m != "flex" and "error" not in row:
-                        row.update(memory({**spec, "method": m}))
-                    rows.append(row)
-                    if progress:
-                        progress(row)
+    for n, causal, mode in calls(args):
+        spec = dict(n=n, causal=causal, mode=mode, family=args.family, batch=args.batch, heads=args.heads,
+                    head_dim=args.head_dim, dtype=args.dtype, threads=args.threads)
+        scores = args.batch * args.heads * n * n
+        skipped = {m: {"error": "skipped: B*H*N*N above --max-scores"} for m in methods
+                   if m in _MATERIALISING and scores > args.max_scores}
+        if "flex" in methods and mode == "fwdbwd":  # no FlexAttention backward on CPU (torch 2.13)
+            skipped["flex"] = {"error": "skipped: no FlexAttention backward on CPU"}
+        run = [m for m in methods if m not in skipped]
+        load = os.getloadavg()[0]
+        timing = {**_time(run, spec, args), **skipped}
+        for m in methods:
+            row = {**spec, "method": m, "load_1min": load, **timing[m]}
+            if not args.no_memory and m in run and m != "flex" and "error" not in row:
+                row.update(memory({**spec, "method": m}))
+            rows.append(row)
+            if progress:
+                progress(row)
     for row in rows:
         base = next(r for r in rows if r["method"] == "sdpa" and all(r[x] == row[x] for x in ("n", "causal", "mode")))
         for key in ("ms", "median_ms", "peak_mib", "growth_mib"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from .. import benchmark
 from .bench import _HelpFormatter, _non_negative_float, _positive_int, add_shape_arguments
 
 __all__ = ["explain", "register", "run"]
@@ -40,7 +41,7 @@ def explain(args: argparse.Namespace, n: int, causal: bool, mode: str) -> tuple[
 
     grad = mode == "fwdbwd"
     dtype = getattr(torch, args.dtype)
-    queries = n if args.queries is None else args.queries
+    queries = _queries(args, n)
     if queries > n:
         raise ValueError(f"--queries {queries} is more than the {n} keys of --n {n}")
     generator = torch.Generator().manual_seed(0)
@@ -54,19 +55,18 @@ def explain(args: argparse.Namespace, n: int, causal: bool, mode: str) -> tuple[
                                        dropout_p=args.dropout_p)
 
 
+def _queries(args: argparse.Namespace, n: int) -> int:
+    """Lq: ``--queries``, else the ``n`` keys."""
+    return n if args.queries is None else args.queries
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print one answer per (length, masking, mode)."""
-    causals = {"both": [True, False], "causal": [True], "bidirectional": [False]}[args.causal]
-    modes = {"both": ["fwd", "fwdbwd"], "fwd": ["fwd"], "fwdbwd": ["fwdbwd"]}[args.mode]
-    first = True
-    for n in args.n:
-        for causal in causals:
-            for mode in modes:
-                _, reason = explain(args, n, causal, mode)
-                queries = n if args.queries is None else args.queries
-                print(("" if first else "\n") + f"# B={args.batch} H={args.heads} Lq={queries} Lk={n} "
-                      f"D={args.head_dim} {args.dtype}, bias {args.family}, {'causal' if causal else 'bidirectional'}, "
-                      f"{'forward+backward' if mode == 'fwdbwd' else 'forward (inference)'}")
-                print(reason)
-                first = False
+    """Print one answer per (length, masking, mode), in ``relbias bench``'s order (:func:`relbias.benchmark.calls`),
+    a blank line between answers."""
+    for index, (n, causal, mode) in enumerate(benchmark.calls(args)):
+        _, reason = explain(args, n, causal, mode)
+        print(("\n" if index else "") + f"# B={args.batch} H={args.heads} Lq={_queries(args, n)} Lk={n} "
+              f"D={args.head_dim} {args.dtype}, bias {args.family}, {'causal' if causal else 'bidirectional'}, "
+              f"{'forward+backward' if mode == 'fwdbwd' else 'forward (inference)'}")
+        print(reason)
     return 0
