@@ -285,7 +285,7 @@ def patch_t5(
         for name in stacks:  # refused now, not at the first call: heads that do not divide over the group
             for bias in biases.stack(name):
                 rank_heads(bias.num_heads, tp_group)
-        heads = next(iter(biases.stack(name) for name in stacks))[0].num_heads
+        heads = biases.stack(next(iter(stacks)))[0].num_heads  # every table of the model has the config's H
         check_sharded_heads(holder, attention_cls, heads, shards)  # and layers the caller did not shard
     for name, attentions in stacks.items():
         install_stack(state, getattr(holder, name), attentions, biases.stack(name))

@@ -26,6 +26,7 @@ from ..functional import attention, attention_with_weights
 from .compiled_masks import compiled_hf_attention
 from .hidden_rows import fill_hidden_rows, fill_hidden_weights, hidden_rows
 from .masks import relbias_mask_from_hf
+from .t5_tensor_parallel import recipe
 
 __all__ = ["ATTN_IMPLEMENTATION", "T5PositionBias", "install_stack", "relbias_t5_attention", "restore"]
 
@@ -150,10 +151,8 @@ def _check_heads(query: torch.Tensor, position_bias: T5PositionBias) -> None:
     if getattr(bias, "parent", None) is not None and query.shape[1] != bias.num_heads:
         raise ValueError(
             f"patch_t5(tensor_parallel=...) gives this rank heads [{bias.start}, {bias.stop}) of "
-            f"{bias.parent.num_heads}, but the layer's query has {query.shape[1]} heads: shard q, k and v column-wise "
-            f"and o row-wise (torch.distributed.tensor.parallel.parallelize_module) and set each attention "
-            f"module's n_heads to {bias.num_heads} and inner_dim to {bias.num_heads} x d_kv "
-            f"(docs/context-parallel.md, tensor parallelism)"
+            f"{bias.parent.num_heads}, but the layer's query has {query.shape[1]} heads: "
+            + recipe(bias.num_heads, query.shape[-1])
         )
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["check_sharded_heads"]
+__all__ = ["check_sharded_heads", "recipe"]
 
-_RECIPE = ("shard q, k and v column-wise and o row-wise (torch.distributed.tensor.parallel.parallelize_module) and "
-           "set each attention module's n_heads to {per} and inner_dim to {per} x d_kv = {inner} "
-           "(docs/context-parallel.md, tensor parallelism)")
+
+def recipe(per: int, d_kv: int) -> str:
+    """The recipe's steps for ``per`` heads a rank of ``d_kv`` features each, as the refusals give them."""
+    return (f"shard q, k and v column-wise and o row-wise (torch.distributed.tensor.parallel.parallelize_module) and "
+            f"set each attention module's n_heads to {per} and inner_dim to {per} x d_kv = {per * d_kv} "
+            f"(docs/context-parallel.md, tensor parallelism)")
 
 
 def _local_shape(linear: nn.Module) -> tuple[int, ...]:
@@ -61,9 +64,9 @@ def check_sharded_heads(model: nn.Module, attention_cls: type, num_heads: int, t
             continue
         faults = _layer_faults(module, per)
         if faults:
-            inner = per * module.key_value_proj_dim
+            d_kv = module.key_value_proj_dim
             raise ValueError(
                 f"patch_t5(tensor_parallel=...) over {tp_size} ranks gives each rank {per} of the {num_heads} heads, "
-                f"but {name} is not sharded so: {', '.join(faults)} (expected {per} heads, {inner} features); "
-                + _RECIPE.format(per=per, inner=inner)
+                f"but {name} is not sharded so: {', '.join(faults)} (expected {per} heads, {per * d_kv} features); "
+                + recipe(per, d_kv)
             )
