@@ -121,7 +121,9 @@ class ToeplitzBackend(Backend):
 
     def explain(self, call: AttentionCall) -> str:
         passes = "forward and backward" if call.needs_grad else "forward"
-        if call.query.device.type == "cpu" and native_unavailable_reason() is None:
+        device = call.query.device.type
+        why_not_native = native_unavailable_reason() if device == "cpu" else f"on {device}"
+        if why_not_native is None:
             how = f"the bias read from its per-offset values inside relbias' fused C++ FlashAttention-2 {passes}"
             if call.dropout is not None:
                 how += ", dropout inside the kernels"
@@ -129,9 +131,8 @@ class ToeplitzBackend(Backend):
                 dtype = str(call.query.dtype).removeprefix("torch.")
                 how += f", on float32 copies of the {dtype} inputs (see the note)"
         else:
-            where = f"on {call.query.device.type}" if call.query.device.type != "cpu" else native_unavailable_reason()
             how = (f"the bias read from its per-offset values as a strided view, the additive mask of PyTorch's fused "
-                   f"attention (relbias' native kernels do not run: {where})")
+                   f"attention (relbias' native kernels do not run: {why_not_native})")
             if call.needs_grad:
                 how += "; the backward in PyTorch, tiled"
         return f"{how}; memory O(N·D)"
