@@ -37,7 +37,8 @@ def check_transformers_version():
         the ``transformers`` module.
 
     Raises:
-        ImportError: transformers is not installed (``pip install 'relbias[hf]'``; in a clone ``pip install -e '.[hf]'``).
+        ImportError: transformers is not installed (``pip install 'relbias[hf]'``; in a clone
+            ``pip install -e '.[hf]'``).
         RuntimeError: the installed version is outside the supported range; the message names both.
     """
     try:

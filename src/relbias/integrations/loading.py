@@ -268,7 +268,8 @@ def t5_biases_from_safetensors(
         :class:`T5Biases`, as :func:`t5_biases_from_state_dict`.
 
     Raises:
-        ImportError: safetensors is not installed (``pip install 'relbias[hf]'``; in a clone ``pip install -e '.[hf]'``).
+        ImportError: safetensors is not installed (``pip install 'relbias[hf]'``; in a clone
+            ``pip install -e '.[hf]'``).
         FileNotFoundError: no such file.
         ValueError: a file safetensors cannot read; as :func:`t5_biases_from_state_dict`.
     """

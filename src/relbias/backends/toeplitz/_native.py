@@ -38,8 +38,8 @@ from ._build import build as _build
 from ._backward import tiled_backward
 
 __all__ = [
-    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "forward", "forward_tiles",
-    "half_precision_note", "half_precision_notes", "load_native", "loaded_native", "window_tile", "native_backward", "native_forward",
+    "FORWARD_TILE_K", "FORWARD_TILE_Q", "HALF_UNITS", "backward", "forward", "forward_tiles", "half_precision_note",
+    "half_precision_notes", "load_native", "loaded_native", "window_tile", "native_backward", "native_forward",
     "native_unavailable_reason", "native_variant", "read_in_place", "rows_layout", "runs_half", "takes",
 ]
 
